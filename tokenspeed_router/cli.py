@@ -1,0 +1,77 @@
+"""The ``tokenspeed-router`` command line (DESIGN §6-7).
+
+Each sub-command lives in its own module exposing
+``add_arguments(parser)`` and ``run(args) -> int``; this file only knows their
+names and one-line help, and imports a module when its command runs, so that
+``tokenspeed-router serve`` never imports torch and ``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from tokenspeed_router import __version__
+from tokenspeed_router.errors import TokenspeedError
+
+#: command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("tokenspeed_router.sim.cli_demo", "run a small live cluster and compare routing policies"),
+    "serve": ("tokenspeed_router.server.cli_serve", "run the router: subscribers, index, HTTP/ZMQ API"),
+    "record": ("tokenspeed_router.server.cli_record", "subscribe to workers and write an event log"),
+    "replay": ("tokenspeed_router.server.cli_replay", "rebuild the index from an event log"),
+    "inspect": ("tokenspeed_router.server.cli_inspect", "summarise an event log or a live router"),
+    "simulate": ("tokenspeed_router.sim.cli_simulate", "trace-driven evaluation of routing policies"),
+    "bench": ("tokenspeed_router.router.bench", "benchmark ingestion, matching and routing"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenspeed-router",
+        description="Event-streaming KV-cache router for disaggregated LLM serving.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("TOKENSPEED_ROUTER_LOG_LEVEL", "INFO"),
+        help="logging level (default INFO; env TOKENSPEED_ROUTER_LOG_LEVEL)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module_name, help_text) in COMMANDS.items():
+        # Parsers for the command actually invoked are filled in lazily below.
+        sub.add_parser(name, help=help_text, description=help_text)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    command = next((a for a in argv if a in COMMANDS), None)
+    if command is not None:
+        module = importlib.import_module(COMMANDS[command][0])
+        subparsers = next(
+            a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+        )
+        module.add_arguments(subparsers.choices[command])
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=str(args.log_level).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(module.run(args) or 0)
+    except TokenspeedError as err:
+        print(f"tokenspeed-router {command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""One exception hierarchy for the whole package.
+
+Every error raised on purpose by tokenspeed_router derives from
+:class:`TokenspeedError`, so callers can catch "anything we raise" without
+catching programming errors. Wire-level problems are :class:`WireError`;
+index consistency problems carry enough context to ask for a replay.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "IndexConsistencyError",
+    "PublishError",
+    "QueueFullError",
+    "ReplayUnavailableError",
+    "SequenceGapError",
+    "SnapshotError",
+    "StateBackendError",
+    "TokenspeedError",
+    "UnknownBlockError",
+    "UnknownParentError",
+    "WireError",
+]
+
+
+class TokenspeedError(Exception):
+    """Base class of every error this package raises deliberately."""
+
+
+class WireError(TokenspeedError):
+    """A frame or payload does not follow the wire format (DESIGN §3)."""
+
+
+class ConfigError(TokenspeedError):
+    """A configuration value is missing, malformed or inconsistent."""
+
+
+class PublishError(TokenspeedError):
+    """A batch could not be accepted by a publisher."""
+
+
+class QueueFullError(PublishError):
+    """The publisher queue stayed full past the configured policy's limit."""
+
+
+class SequenceGapError(TokenspeedError):
+    """Sequence numbers skipped: events were lost on the way."""
+
+    def __init__(self, worker: str, expected_seq: int, got_seq: int) -> None:
+        super().__init__(f"worker {worker!r}: expected seq {expected_seq}, got {got_seq}")
+        self.worker = worker
+        self.expected_seq = expected_seq
+        self.got_seq = got_seq
+
+
+class ReplayUnavailableError(TokenspeedError):
+    """The publisher's replay ring no longer holds the batches we need."""
+
+
+class IndexConsistencyError(TokenspeedError):
+    """An event does not fit the index's view of a worker; the batch was not applied."""
+
+
+class UnknownParentError(IndexConsistencyError):
+    """A BlockStored names a parent the index does not hold: an event was lost."""
+
+    def __init__(self, worker: str, parent_hash: object) -> None:
+        super().__init__(f"worker {worker!r}: unknown parent block {parent_hash!r}")
+        self.worker = worker
+        self.parent_hash = parent_hash
+
+
+class UnknownBlockError(IndexConsistencyError):
+    """An operation names a block the index does not hold for that worker."""
+
+    def __init__(self, worker: str, block_hash: object) -> None:
+        super().__init__(f"worker {worker!r}: unknown block {block_hash!r}")
+        self.worker = worker
+        self.block_hash = block_hash
+
+
+class SnapshotError(TokenspeedError):
+    """A snapshot is corrupt, truncated or of an unsupported version."""
+
+
+class StateBackendError(TokenspeedError):
+    """The shared state backend (Redis) failed or returned something unexpected."""
