@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name, (module_name, help_text) in COMMANDS.items():
+    for name, (_module_name, help_text) in COMMANDS.items():
         # Parsers for the command actually invoked are filled in lazily below.
         sub.add_parser(name, help=help_text, description=help_text)
     return parser

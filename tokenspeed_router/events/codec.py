@@ -208,10 +208,7 @@ def _event_map(ev: Event) -> dict[str, Any]:
 def _event_array(ev: Event) -> list[Any]:
     fields = msgspec.structs.astuple(ev)
     n = len(fields)
-    if isinstance(ev, BlockStored):
-        floor = 4  # the four required fields are always written
-    else:
-        floor = 0
+    floor = 4 if isinstance(ev, BlockStored) else 0  # required fields are always written
     while n > floor and fields[n - 1] is None:
         n -= 1
     return [type(ev).__struct_config__.tag, *fields[:n]]

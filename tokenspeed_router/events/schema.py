@@ -20,7 +20,7 @@ bytes digests (vLLM with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``).
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 #: An engine's opaque block id.
-BlockHash = Union[int, bytes]
+BlockHash = int | bytes
 
 
 class BlockStored(msgspec.Struct, tag=True, tag_field="type", frozen=True, omit_defaults=True):
@@ -69,7 +69,7 @@ class AllBlocksCleared(msgspec.Struct, tag=True, tag_field="type", frozen=True, 
     medium: str | None = None
 
 
-Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, frozen=True):
@@ -88,19 +88,19 @@ class KVEventBatch(msgspec.Struct, array_like=True, frozen=True):
 # --- array-form twins: same fields, positional encoding -----------------------
 
 
-class _BlockStoredArray(BlockStored, array_like=True, tag="BlockStored"):
+class _BlockStoredArray(BlockStored, array_like=True, tag="BlockStored", frozen=True):
     pass
 
 
-class _BlockRemovedArray(BlockRemoved, array_like=True, tag="BlockRemoved"):
+class _BlockRemovedArray(BlockRemoved, array_like=True, tag="BlockRemoved", frozen=True):
     pass
 
 
-class _AllBlocksClearedArray(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
+class _AllBlocksClearedArray(AllBlocksCleared, array_like=True, tag="AllBlocksCleared", frozen=True):
     pass
 
 
-_ArrayEvent = Union[_BlockStoredArray, _BlockRemovedArray, _AllBlocksClearedArray]
+_ArrayEvent = _BlockStoredArray | _BlockRemovedArray | _AllBlocksClearedArray
 
 
 class _ArrayFormBatch(msgspec.Struct, array_like=True, frozen=True):
