@@ -10,10 +10,13 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "EventLogError",
     "IndexConsistencyError",
+    "NoWorkerAvailableError",
     "PublishError",
     "QueueFullError",
     "ReplayUnavailableError",
+    "RouterApiError",
     "SequenceGapError",
     "SnapshotError",
     "StateBackendError",
@@ -86,3 +89,28 @@ class SnapshotError(TokenspeedError):
 
 class StateBackendError(TokenspeedError):
     """The shared state backend (Redis) failed or returned something unexpected."""
+
+
+class NoWorkerAvailableError(TokenspeedError):
+    """The router has no worker that can take this request (none added, or none of the needed role)."""
+
+
+class CacheError(TokenspeedError):
+    """The worker-side prefix cache was misused (lock underflow, double free, reset while locked)."""
+
+
+class OutOfPagesError(CacheError):
+    """Not enough free KV pages (or request slots), even after evicting everything evictable."""
+
+
+class EventLogError(TokenspeedError):
+    """An event log or capture file is not one, or has an unsupported version."""
+
+
+class RouterApiError(TokenspeedError):
+    """The router's query API refused a request (``status`` is the HTTP-style code)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message

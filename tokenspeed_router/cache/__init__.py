@@ -1,1 +1,59 @@
-"""(being written)"""
+"""Worker-side paged radix prefix cache (torch) that publishes exact KV events.
+
+``PrefixCache.with_capacity(num_pages)`` gives a ready cache; ``admit(tokens)``
+serves a request end to end; ``take_events()`` drains the ``BlockStored`` /
+``BlockRemoved`` / ``AllBlocksCleared`` events, or ``attach_publisher(pub)``
+sends them through a ``ZmqEventPublisher``. Published block hashes are the
+router's content hashes (:mod:`tokenspeed_router.hashing`). Sizes are in tokens.
+"""
+
+from tokenspeed_router.cache.eviction import (
+    EVICTION_POLICIES,
+    EvictionPolicy,
+    EvictionStrategy,
+    FIFOStrategy,
+    FILOStrategy,
+    LFUStrategy,
+    LRUStrategy,
+    MRUStrategy,
+    PriorityStrategy,
+    make_eviction_strategy,
+)
+from tokenspeed_router.cache.pages import PageAccounting, PagedKVAllocator, ReqToTokenPool
+from tokenspeed_router.cache.prefix_cache import (
+    CacheInitParams,
+    CacheStatistics,
+    MatchResult,
+    PrefixCache,
+    Req,
+)
+from tokenspeed_router.cache.sink import BatchPublisher, KvEventSink
+from tokenspeed_router.cache.tree import TreeNode
+
+#: The seed's name for the allocator type.
+KVAllocator = PagedKVAllocator
+
+__all__ = [
+    "EVICTION_POLICIES",
+    "BatchPublisher",
+    "CacheInitParams",
+    "CacheStatistics",
+    "EvictionPolicy",
+    "EvictionStrategy",
+    "FIFOStrategy",
+    "FILOStrategy",
+    "KVAllocator",
+    "KvEventSink",
+    "LFUStrategy",
+    "LRUStrategy",
+    "MRUStrategy",
+    "MatchResult",
+    "PageAccounting",
+    "PagedKVAllocator",
+    "PrefixCache",
+    "PriorityStrategy",
+    "Req",
+    "ReqToTokenPool",
+    "TreeNode",
+    "make_eviction_strategy",
+]

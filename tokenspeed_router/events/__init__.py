@@ -4,6 +4,20 @@ Never imports torch: the router side must deploy without GPU stacks.
 """
 
 from tokenspeed_router.events.codec import BatchDecoder, decode_batch, encode_batch
+from tokenspeed_router.events.frames import END_SEQ, offset_endpoint_port
+from tokenspeed_router.events.log import (
+    EventLogReader,
+    EventLogWriter,
+    KvcapRecord,
+    LogRecord,
+    open_event_source,
+    read_kvcap,
+)
+from tokenspeed_router.events.publisher import (
+    PublisherStatistics,
+    QueueFullPolicy,
+    ZmqEventPublisher,
+)
 from tokenspeed_router.events.schema import (
     AllBlocksCleared,
     BlockHash,
@@ -12,15 +26,46 @@ from tokenspeed_router.events.schema import (
     Event,
     KVEventBatch,
 )
+from tokenspeed_router.events.sequencing import SequenceTracker, Verdict, VerdictKind
+from tokenspeed_router.events.subscriber import (
+    BatchReceived,
+    EventSubscriber,
+    PublisherRestarted,
+    ResyncNeeded,
+    SubscriberGroup,
+    SubscriberItem,
+    SubscriberStatistics,
+)
 
 __all__ = [
+    "END_SEQ",
     "AllBlocksCleared",
     "BatchDecoder",
+    "BatchReceived",
     "BlockHash",
     "BlockRemoved",
     "BlockStored",
     "Event",
+    "EventLogReader",
+    "EventLogWriter",
+    "EventSubscriber",
     "KVEventBatch",
+    "KvcapRecord",
+    "LogRecord",
+    "PublisherRestarted",
+    "PublisherStatistics",
+    "QueueFullPolicy",
+    "ResyncNeeded",
+    "SequenceTracker",
+    "SubscriberGroup",
+    "SubscriberItem",
+    "SubscriberStatistics",
+    "Verdict",
+    "VerdictKind",
+    "ZmqEventPublisher",
     "decode_batch",
     "encode_batch",
+    "offset_endpoint_port",
+    "open_event_source",
+    "read_kvcap",
 ]

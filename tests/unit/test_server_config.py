@@ -1,0 +1,185 @@
+"""Router process configuration: worker specs, sources and precedence, validation errors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.server.config import (
+    ApiLimits,
+    HostPort,
+    ServerConfig,
+    WorkerSpec,
+    load_server_config,
+    parse_host_port,
+)
+
+
+def test_worker_spec_parses_flag_form() -> None:
+    spec = WorkerSpec.parse(
+        "name=w0,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,role=prefill,topic=kv"
+    )
+    assert spec == WorkerSpec(
+        name="w0", events="tcp://127.0.0.1:5557", replay="tcp://127.0.0.1:5558", role="prefill", topic="kv"
+    )
+    (sub,) = spec.subscribers()
+    assert sub.name == "w0" and sub.dp_rank == 0 and sub.events == spec.events
+
+
+def test_dp_ranks_offset_ports_like_vllm() -> None:
+    spec = WorkerSpec.parse("name=w1,events=tcp://127.0.0.1:5567,replay=tcp://[::1]:6000,dp_ranks=3,role=decode")
+    subs = spec.subscribers()
+    assert [s.name for s in subs] == ["w1/dp0", "w1/dp1", "w1/dp2"]
+    assert [s.events for s in subs] == [f"tcp://127.0.0.1:{5567 + r}" for r in range(3)]
+    assert [s.replay for s in subs] == [f"tcp://[::1]:{6000 + r}" for r in range(3)]
+    assert all(s.role == "decode" and s.worker == "w1" for s in subs)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("name=w0", "missing required key 'events'"),
+        ("events=tcp://127.0.0.1:1", "missing required key 'name'"),
+        ("name=w0,events=tcp://127.0.0.1:1,colour=red", "unknown key(s) 'colour'"),
+        ("name=w0,events=http://x:1", "not a ZeroMQ endpoint"),
+        ("name=w0,events=tcp://127.0.0.1:99999", "out of range"),
+        ("name=w0,events=tcp://127.0.0.1:1,role=router", "role must be one of"),
+        ("name=w0,events=tcp://127.0.0.1:1,dp_ranks=0", "dp_ranks must be in"),
+        ("name=w0,events=tcp://127.0.0.1:1,dp_ranks=two", "dp_ranks must be an integer"),
+        ("name=w/0,events=tcp://127.0.0.1:1", "is invalid"),
+        ("name=w0,events=tcp://127.0.0.1:65535,dp_ranks=2", "exceeds port 65535"),
+        ("name=w0,events=ipc:///tmp/x,dp_ranks=2", "need tcp://HOST:PORT"),
+        ("name=w0,name=w1,events=tcp://127.0.0.1:1", "given twice"),
+        ("name=w0,events", "not key=value"),
+    ],
+)
+def test_bad_worker_specs_name_the_problem(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        WorkerSpec.parse(text)
+
+
+def test_duplicate_names_and_shared_endpoints_are_rejected() -> None:
+    a = WorkerSpec.parse("name=a,events=tcp://127.0.0.1:5000")
+    with pytest.raises(ConfigError, match="duplicate worker name 'a'"):
+        ServerConfig(workers=(a, WorkerSpec.parse("name=a,events=tcp://127.0.0.1:6000")))
+    with pytest.raises(ConfigError, match="same endpoint"):
+        ServerConfig(workers=(a, WorkerSpec.parse("name=b,events=tcp://127.0.0.1:5000")))
+    # dp-rank offsets collide too: b/dp1 would listen where c does
+    b = WorkerSpec.parse("name=b,events=tcp://127.0.0.1:7000,dp_ranks=2")
+    c = WorkerSpec.parse("name=c,events=tcp://127.0.0.1:7001")
+    with pytest.raises(ConfigError, match="same endpoint"):
+        ServerConfig(workers=(b, c))
+
+
+def test_host_port_forms() -> None:
+    assert parse_host_port("127.0.0.1:8000", what="http") == HostPort("127.0.0.1", 8000)
+    assert parse_host_port("[::1]:9", what="http") == HostPort("::1", 9)
+    assert parse_host_port(":0", what="http") == HostPort("127.0.0.1", 0)
+    for bad in ("8000", "host:port", "h:70000"):
+        with pytest.raises(ConfigError):
+            parse_host_port(bad, what="http")
+
+
+def test_defaults_bind_loopback() -> None:
+    config = load_server_config({}, {})
+    assert config.http == HostPort("127.0.0.1", 8000)
+    assert config.zmq_api is None and config.auth_token is None and config.workers == ()
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "router.toml"
+    path.write_text(text)
+    return path
+
+
+def test_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        """
+http = "127.0.0.1:7000"
+zmq_api = "tcp://127.0.0.1:7001"
+auth_token = "from-file"
+max_tokens = 100
+
+[router]
+policy = "round_robin"
+queue_weight = 0.5
+decode_weight = 0.2
+
+[[workers]]
+name = "file-worker"
+events = "tcp://127.0.0.1:5557"
+""",
+    )
+    env = {
+        "TOKENSPEED_ROUTER_HTTP": "127.0.0.1:7100",
+        "TOKENSPEED_ROUTER_AUTH_TOKEN": "from-env",
+        "TOKENSPEED_ROUTER_WORKERS": "name=e0,events=tcp://127.0.0.1:6000;name=e1,events=tcp://127.0.0.1:6001",
+        "TOKENSPEED_ROUTER_ROUTER_OPTIONS": "decode_weight=0.3",
+    }
+    config = load_server_config({"http": "127.0.0.1:7200", "router": ["queue_weight=0.7"]}, env, path)
+    assert config.http == HostPort("127.0.0.1", 7200)  # flag
+    assert config.auth_token == "from-env"  # env over file
+    assert config.zmq_api == "tcp://127.0.0.1:7001"  # file only
+    assert [w.name for w in config.workers] == ["e0", "e1"]  # env replaces the file's list whole
+    assert config.limits == ApiLimits(max_tokens=100)
+    assert config.policy == "round_robin"
+    assert config.router_options == {"queue_weight": 0.7, "decode_weight": 0.3}  # merged per knob
+    rc = config.router_config()
+    assert rc.queue_weight == 0.7 and rc.decode_weight == 0.3 and rc.policy_name == "round_robin"
+
+
+def test_config_file_path_from_env_and_worker_tables(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        """
+[workers.p0]
+events = "tcp://127.0.0.1:5557"
+replay = "tcp://127.0.0.1:6557"
+role = "prefill"
+dp_ranks = 2
+""",
+    )
+    config = load_server_config({}, {"TOKENSPEED_ROUTER_CONFIG": str(path)})
+    assert [s.name for s in config.subscribers()] == ["p0/dp0", "p0/dp1"]
+    assert config.subscribers()[1].replay == "tcp://127.0.0.1:6558"
+    # events 5557 + replay 5558 with two ranks would overlap: rank 1 publishes on 5558
+    with pytest.raises(ConfigError, match="same endpoint tcp://127.0.0.1:5558"):
+        load_server_config(
+            {"workers": ["name=p0,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,dp_ranks=2"]}, {}
+        )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("htp = '127.0.0.1:1'", "unknown key(s) 'htp'"),
+        ("http = ", "not valid TOML"),
+        ("[[workers]]\nname = 'a'\nevents = 'tcp://127.0.0.1:1'\nport = 3", "unknown key(s) 'port'"),
+        ("stale_after_s = -1", "positive"),
+        ("max_body_bytes = 'big'", "expected an integer"),
+    ],
+)
+def test_bad_config_files(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_server_config({}, {}, _write(tmp_path, text))
+
+
+def test_missing_file_and_unknown_router_knob(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_server_config({}, {}, tmp_path / "nope.toml")
+    config = load_server_config({"router": ["colour=1"]}, {})
+    with pytest.raises(ConfigError, match="colour"):
+        config.router_config()
+    with pytest.raises(ConfigError, match="unknown policy"):
+        load_server_config({"policy": "best"}, {}).router_config()
+
+
+def test_auth_token_file_and_http_none(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    config = load_server_config({"auth_token_file": str(token_file), "http": "none"}, {})
+    assert config.auth_token == "s3cret" and config.http is None

@@ -1,0 +1,156 @@
+"""Per-publisher sequence bookkeeping, shared by the live subscriber and log replay.
+
+Publishers number their batches 0, 1, 2, ... from process start and persist
+nothing, so the sequence number is the only thing that reveals lost batches
+(a jump forward) and a restarted publisher (a jump backwards). This module
+turns each observed seq into a :class:`Verdict`; it does no I/O and keeps no
+clock, so the same rules apply to a ZeroMQ stream and to a recorded log.
+
+Duplicates versus restarts: a seq below the expected one is either a copy of a
+batch already seen (a live message that also came back through replay) or the
+first batch of a restarted publisher that happens to reuse an old number.
+Sequence numbers alone cannot tell them apart, so the tracker remembers a
+fingerprint (CRC32 and length) of the last ``window`` batches observed *with*
+their payload: a lower seq whose payload matches is a duplicate, one whose
+payload differs is a restart. Otherwise (no payload given, or none remembered
+for that seq) only an exact repeat of the last seq counts as a duplicate. Replayed payloads are byte-identical to the live ones in every
+engine (see ``shared/research/wire-formats.md`` §1), which is what makes the
+fingerprint reliable.
+
+Complexity: O(1) per observation; memory O(window).
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from dataclasses import dataclass
+
+__all__ = ["SequenceTracker", "Verdict", "VerdictKind"]
+
+
+class VerdictKind(enum.Enum):
+    """What an observed seq means relative to what was expected."""
+
+    IN_ORDER = "in_order"
+    DUPLICATE = "duplicate"
+    GAP = "gap"
+    RESTART = "restart"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Outcome of one observation.
+
+    ``expected`` is the seq that was due (None before the first observation);
+    ``last`` the last accepted seq (None before the first one); ``got`` the
+    observed seq. For a GAP the missing range is ``[expected, got)``.
+    """
+
+    kind: VerdictKind
+    got: int
+    expected: int | None
+    last: int | None
+
+    @property
+    def missing(self) -> int:
+        """Number of batches skipped by a GAP (0 for any other kind)."""
+        if self.kind is VerdictKind.GAP and self.expected is not None:
+            return self.got - self.expected
+        return 0
+
+
+def _fingerprint(payload: bytes | bytearray | memoryview) -> tuple[int, int]:
+    return zlib.crc32(payload), len(payload)
+
+
+class SequenceTracker:
+    """Sequence state machine of one publisher (not thread safe: one owner).
+
+    ``observe(seq)`` classifies and commits: IN_ORDER and GAP move the cursor
+    to ``seq``, RESTART also bumps :attr:`epoch`, DUPLICATE changes nothing.
+    ``classify(seq)`` answers the same question without committing, for
+    callers that want to try a replay before accepting a gap.
+    """
+
+    def __init__(self, next_seq: int | None = None, *, window: int = 4096) -> None:
+        if next_seq is not None and next_seq < 0:
+            raise ValueError(f"next_seq must be >= 0, got {next_seq}")
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
+        self._expected = next_seq
+        self._last: int | None = None
+        self._epoch = 0
+        self._window = window
+        self._recent: dict[int, tuple[int, int]] = {}
+
+    @property
+    def expected_seq(self) -> int | None:
+        """The next seq due, or None when anything is acceptable (nothing seen yet)."""
+        return self._expected
+
+    @property
+    def last_seq(self) -> int | None:
+        """The last accepted seq (None before the first)."""
+        return self._last
+
+    @property
+    def epoch(self) -> int:
+        """Number of publisher restarts observed so far."""
+        return self._epoch
+
+    def classify(self, seq: int, payload: bytes | bytearray | memoryview | None = None) -> Verdict:
+        """Say what ``seq`` would be, without changing any state."""
+        expected = self._expected
+        if expected is None or seq == expected:
+            return Verdict(VerdictKind.IN_ORDER, seq, expected, self._last)
+        if seq > expected:
+            return Verdict(VerdictKind.GAP, seq, expected, self._last)
+        if self._is_duplicate(seq, payload):
+            return Verdict(VerdictKind.DUPLICATE, seq, expected, self._last)
+        return Verdict(VerdictKind.RESTART, seq, expected, self._last)
+
+    def observe(self, seq: int, payload: bytes | bytearray | memoryview | None = None) -> Verdict:
+        """Classify ``seq`` and commit it (see the class docstring)."""
+        verdict = self.classify(seq, payload)
+        if verdict.kind is VerdictKind.DUPLICATE:
+            return verdict
+        if verdict.kind is VerdictKind.RESTART:
+            self._epoch += 1
+            self._recent.clear()
+        self._accept(seq, payload)
+        return verdict
+
+    def jump_to(self, next_seq: int) -> None:
+        """Expect ``next_seq`` next without a verdict (after an accepted loss)."""
+        if next_seq < 0:
+            raise ValueError(f"next_seq must be >= 0, got {next_seq}")
+        self._expected = next_seq
+
+    def reset(self, next_seq: int | None = None) -> None:
+        """Forget the cursor (not the epoch): the next seq starts a fresh stream."""
+        self._expected = next_seq
+        self._last = None
+        self._recent.clear()
+
+    def new_epoch(self) -> int:
+        """Count a restart learnt from outside the seq stream; returns the new epoch."""
+        self._epoch += 1
+        self.reset()
+        return self._epoch
+
+    def _accept(self, seq: int, payload: bytes | bytearray | memoryview | None) -> None:
+        self._last = seq
+        self._expected = seq + 1
+        if payload is not None and self._window:
+            recent = self._recent
+            recent.pop(seq, None)
+            recent[seq] = _fingerprint(payload)
+            if len(recent) > self._window:
+                del recent[next(iter(recent))]
+
+    def _is_duplicate(self, seq: int, payload: bytes | bytearray | memoryview | None) -> bool:
+        known = self._recent.get(seq) if payload is not None else None
+        if known is not None and payload is not None:
+            return known == _fingerprint(payload)
+        return seq == self._last

@@ -1,0 +1,769 @@
+"""EventSubscriber: the router side of one worker's KV event stream (DESIGN §3).
+
+One subscriber follows one publisher (one worker, or one data-parallel rank):
+a SUB socket connected to its events endpoint and, when it has one, a DEALER
+connected to its replay ROUTER. It turns the raw stream into an ordered list
+of :data:`SubscriberItem` s:
+
+* :class:`BatchReceived` for every batch, strictly in sequence order, each
+  exactly once (live or replayed);
+* :class:`PublisherRestarted` when the sequence goes backwards (engines
+  restart from 0 and say nothing else): drop the worker's state, then apply
+  the batches that follow;
+* :class:`ResyncNeeded` when batches were lost and replay could not bring
+  them back: drop the worker's state and treat it as resyncing. A hole is
+  never delivered silently.
+
+Gap handling. On a gap (seq above the expected one) the subscriber asks the
+replay ROUTER for everything from the expected seq (``[b"", start_seq]``),
+holds the live messages that keep arriving, and merges: replayed batches
+first, then the held live ones, duplicates (same seq, same bytes) dropped.
+Both reply framings are accepted: vLLM/SGLang ``[b"", topic, seq, payload]``
+and TokenSpeed ``[b"", seq, payload]``, each with its end marker. Replays are
+asynchronous: ``poll``/``process_ready`` never wait for a reply longer than
+they were asked to, and a replay that is not answered within
+``replay_timeout_s`` counts as failed (the DEALER is then recreated, so a
+late answer can never be mistaken for the next one).
+
+Slow joiners. ZeroMQ drops what a PUB sends before the SUB connection is up,
+so the first seq seen is often not 0. With a replay endpoint the subscriber
+then replays from 0. If the publisher's ring no longer holds seq 0, this is a
+fresh subscription to a long-running publisher: batches are delivered from
+the oldest one the ring still has, and *no* ResyncNeeded is reported for this
+very first connection (the caller starts from an empty view of the worker
+anyway, and reporting a resync every time a router starts would make every
+worker look broken; batches whose parents precede the ring surface later as
+unknown parents in the index). Without a replay endpoint (or if the first
+replay is not answered) delivery starts at the first seq seen. Later gaps are
+always reported.
+
+Resuming. ``start_seq`` says "I already applied everything before this seq"
+(leader failover in the Redis backend): the subscriber replays from there at
+once, and reports ResyncNeeded if the ring has moved past it.
+
+Bad input. A frame list that is not ``[topic, 8-byte seq, payload]``, a topic
+other than the subscribed one, a payload above ``max_payload_bytes`` or one
+the decoder rejects is counted by reason (:meth:`statistics`), logged at most
+once per reason per interval, and skipped. Only the batch decoder's
+:class:`WireError` is expected there; nothing malformed stops the stream.
+
+Threading: a subscriber and its sockets belong to one thread (zmq sockets are
+not thread safe). Limits: a publisher that restarts and publishes past our
+expected seq before we notice looks like a gap, not a restart (nothing on the
+wire tells the difference; vLLM-compatible publishers carry no epoch).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType, TracebackType
+from typing import Final
+
+import zmq
+
+from tokenspeed_router.errors import WireError
+from tokenspeed_router.events._ratelimit import RateLimitedLog
+from tokenspeed_router.events.codec import BatchDecoder
+from tokenspeed_router.events.frames import (
+    END_SEQ,
+    SEQ_BYTES,
+    decode_seq,
+    encode_seq,
+    ipv6_endpoint,
+)
+from tokenspeed_router.events.schema import KVEventBatch
+from tokenspeed_router.events.sequencing import SequenceTracker, VerdictKind
+
+__all__ = [
+    "BatchReceived",
+    "EventSubscriber",
+    "PublisherRestarted",
+    "ResyncNeeded",
+    "SubscriberGroup",
+    "SubscriberItem",
+    "SubscriberStatistics",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Reasons carried by :class:`ResyncNeeded`.
+RESYNC_REPLAY_TIMEOUT: Final = "replay_timeout"
+RESYNC_RING_EXHAUSTED: Final = "replay_ring_exhausted"
+RESYNC_REPLAY_INCOMPLETE: Final = "replay_incomplete"
+RESYNC_NO_REPLAY: Final = "no_replay_endpoint"
+
+_MAX_MESSAGES_PER_CALL = 4096
+_TRACKER_WINDOW = 16_384
+_LOG_INTERVAL_S = 10.0
+
+
+# --------------------------------------------------------------------- items
+
+
+@dataclass(frozen=True, slots=True)
+class BatchReceived:
+    """One batch, delivered in sequence order (``replayed``: it came through replay)."""
+
+    worker: str
+    seq: int
+    batch: KVEventBatch
+    payload: bytes
+    topic: bytes
+    recv_time_s: float
+    epoch: int
+    replayed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherRestarted:
+    """The publisher's seq went backwards: clear the worker before applying later items."""
+
+    worker: str
+    last_seq: int
+    new_seq: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncNeeded:
+    """Batches ``[expected_seq, got_seq)`` are lost for good: clear the worker.
+
+    Later batches are applied to the cleared state; the worker is resyncing
+    until its state is consistent again.
+    """
+
+    worker: str
+    expected_seq: int
+    got_seq: int
+    reason: str
+    epoch: int
+
+
+SubscriberItem = BatchReceived | PublisherRestarted | ResyncNeeded
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriberStatistics:
+    """A snapshot of one subscriber's counters."""
+
+    worker: str
+    received: int
+    """Messages read from the SUB socket (good or bad)."""
+    delivered: int
+    """BatchReceived items emitted (live and replayed)."""
+    replayed: int
+    """Of which came through replay."""
+    duplicates: int
+    malformed: Mapping[str, int]
+    """Skipped messages by reason (frame_count, seq_length, topic, payload_size,
+    payload_decode, replay_frame)."""
+    gaps: int
+    replay_requests: int
+    replay_timeouts: int
+    resyncs: int
+    restarts: int
+    last_seq: int | None
+    epoch: int
+    replaying: bool
+    held: int
+    """Live messages held while a replay is in flight."""
+    last_recv_time_s: float | None
+
+    @property
+    def malformed_total(self) -> int:
+        return sum(self.malformed.values())
+
+
+# ------------------------------------------------------------------ internals
+
+
+@dataclass(slots=True)
+class _Message:
+    seq: int
+    payload: bytes
+    batch: KVEventBatch
+    topic: bytes
+    recv_time_s: float
+    replayed: bool
+
+
+_JOIN: Final = "join"  # first message was not seq 0 (slow joiner)
+_RESUME: Final = "resume"  # caller asked to start at start_seq
+_GAP: Final = "gap"
+_RESTART: Final = "restart"  # a restarted publisher's first message was not seq 0
+
+
+@dataclass(slots=True)
+class _Replay:
+    start_seq: int
+    purpose: str
+    target_seq: int | None  # the live seq that triggered it (held, merged at the end)
+    deadline: float  # time.monotonic()
+    items: list[_Message]
+
+
+class EventSubscriber:
+    """Follow one publisher; see the module docstring for the guarantees.
+
+    ``poll(timeout_s)`` waits up to ``timeout_s`` and returns the items ready
+    (possibly none); ``process_ready()`` never waits. ``context`` is borrowed
+    if given, otherwise created here and terminated by :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        worker: str,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        replay_timeout_s: float = 2.0,
+        max_payload_bytes: int = 64 << 20,
+        start_seq: int | None = None,
+    ) -> None:
+        if replay_timeout_s <= 0:
+            raise ValueError(f"replay_timeout_s must be > 0, got {replay_timeout_s}")
+        if max_payload_bytes <= 0:
+            raise ValueError(f"max_payload_bytes must be > 0, got {max_payload_bytes}")
+        if start_seq is not None and start_seq < 0:
+            raise ValueError(f"start_seq must be >= 0, got {start_seq}")
+        self._worker = worker
+        self._endpoint = endpoint
+        self._replay_endpoint = replay_endpoint
+        self._topic = topic.encode()
+        self._replay_timeout_s = replay_timeout_s
+        self._max_payload_bytes = max_payload_bytes
+        self._owns_context = context is None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = context if context is not None else zmq.Context()
+
+        self._sub: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
+        self._sub.linger = 0
+        self._sub.setsockopt(zmq.RCVHWM, 100_000)
+        if ipv6_endpoint(endpoint):
+            self._sub.setsockopt(zmq.IPV6, 1)
+        self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        self._sub.connect(endpoint)
+        self._dealer: zmq.Socket[bytes] | None = None
+
+        self._decoder = BatchDecoder()
+        self._tracker = SequenceTracker(start_seq, window=_TRACKER_WINDOW)
+        self._start_seq = start_seq
+        self._joined = start_seq is not None
+        self._started = False
+        self._replay: _Replay | None = None
+        self._held: deque[_Message] = deque()
+        self._limiter = RateLimitedLog(logger, _LOG_INTERVAL_S)
+        self._closed = False
+
+        self._received = 0
+        self._delivered = 0
+        self._replayed = 0
+        self._duplicates = 0
+        self._malformed: dict[str, int] = {}
+        self._gaps = 0
+        self._replay_requests = 0
+        self._replay_timeouts = 0
+        self._resyncs = 0
+        self._restarts = 0
+        self._last_recv_time_s: float | None = None
+
+    # ----------------------------------------------------------------- public
+
+    @property
+    def worker(self) -> str:
+        return self._worker
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return self._replay_endpoint
+
+    @property
+    def socket(self) -> zmq.Socket[bytes]:
+        """The SUB socket, for an external poller (see also :meth:`poll_sockets`)."""
+        return self._sub
+
+    @property
+    def last_seq(self) -> int | None:
+        """Seq of the last delivered batch (None before the first)."""
+        return self._tracker.last_seq
+
+    @property
+    def epoch(self) -> int:
+        """Publisher restarts seen (the epoch of the items being delivered)."""
+        return self._tracker.epoch
+
+    def poll_sockets(self) -> list[zmq.Socket[bytes]]:
+        """Sockets an external poller must watch (SUB, plus DEALER during a replay)."""
+        if self._replay is not None and self._dealer is not None:
+            return [self._sub, self._dealer]
+        return [self._sub]
+
+    def timeout_hint_s(self) -> float | None:
+        """How long an external poller may wait before calling :meth:`process_ready`.
+
+        0 when work is pending, the time left until the replay deadline
+        during a replay, None when only new input matters.
+        """
+        if self.needs_processing():
+            return 0.0
+        if self._replay is not None:
+            return max(0.0, self._replay.deadline - time.monotonic())
+        return None
+
+    def needs_processing(self) -> bool:
+        """True when :meth:`process_ready` has work even without new input."""
+        if self._closed:
+            return False
+        if not self._started and self._start_seq is not None:
+            return True
+        if self._replay is None:
+            return bool(self._held)
+        return time.monotonic() >= self._replay.deadline
+
+    def poll(self, timeout_s: float) -> list[SubscriberItem]:
+        """Wait up to ``timeout_s`` for input, then return what is ready."""
+        out = self.process_ready()
+        if out or self._closed:
+            return out
+        hint = self.timeout_hint_s()
+        wait_s = timeout_s if hint is None else min(timeout_s, hint)
+        poller = zmq.Poller()
+        for sock in self.poll_sockets():
+            poller.register(sock, zmq.POLLIN)
+        poller.poll(max(0, int(wait_s * 1000)))
+        return self.process_ready()
+
+    def process_ready(self) -> list[SubscriberItem]:
+        """Handle everything already received, without waiting."""
+        out: list[SubscriberItem] = []
+        if self._closed:
+            return out
+        if not self._started:
+            self._started = True
+            if self._start_seq is not None:
+                self._begin_resume(out)
+        self._pump_replay(out)
+        self._drain_held(out)
+        for _ in range(_MAX_MESSAGES_PER_CALL):
+            try:
+                frames = self._sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            message = self._parse_live(frames)
+            if message is None:
+                continue
+            self._held.append(message)
+            self._drain_held(out)
+        if self._replay is not None:
+            self._pump_replay(out)
+            self._drain_held(out)
+        return out
+
+    def statistics(self) -> SubscriberStatistics:
+        return SubscriberStatistics(
+            worker=self._worker,
+            received=self._received,
+            delivered=self._delivered,
+            replayed=self._replayed,
+            duplicates=self._duplicates,
+            malformed=MappingProxyType(dict(self._malformed)),
+            gaps=self._gaps,
+            replay_requests=self._replay_requests,
+            replay_timeouts=self._replay_timeouts,
+            resyncs=self._resyncs,
+            restarts=self._restarts,
+            last_seq=self._tracker.last_seq,
+            epoch=self._tracker.epoch,
+            replaying=self._replay is not None,
+            held=len(self._held),
+            last_recv_time_s=self._last_recv_time_s,
+        )
+
+    def close(self) -> None:
+        """Close the sockets (idempotent); terminate the context if we created it."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sub.close(linger=0)
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None
+        if self._owns_context:
+            self._ctx.term()
+
+    def __enter__(self) -> EventSubscriber:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"EventSubscriber(worker={self._worker!r}, endpoint={self._endpoint!r}, "
+            f"replay_endpoint={self._replay_endpoint!r})"
+        )
+
+    # ------------------------------------------------------------- parsing
+
+    def _malformed_frame(self, reason: str, detail: str, *args: object) -> None:
+        self._malformed[reason] = self._malformed.get(reason, 0) + 1
+        self._limiter.log(
+            logging.WARNING, reason,
+            "kv subscriber worker=%s: skipping malformed message (%s): " + detail,
+            self._worker, reason, *args,
+        )
+
+    def _parse_live(self, frames: list[bytes]) -> _Message | None:
+        now = time.time()
+        self._received += 1
+        self._last_recv_time_s = now
+        if len(frames) != 3:
+            self._malformed_frame(
+                "frame_count", "expected 3 frames [topic, seq, payload], got %d", len(frames)
+            )
+            return None
+        topic, seq_frame, payload = frames
+        return self._check(topic, seq_frame, payload, now, replayed=False)
+
+    def _check(
+        self, topic: bytes, seq_frame: bytes, payload: bytes, now: float, *, replayed: bool
+    ) -> _Message | None:
+        if self._topic and topic != self._topic:
+            self._malformed_frame("topic", "expected topic %r, got %r", self._topic, topic[:64])
+            return None
+        if len(seq_frame) != SEQ_BYTES:
+            self._malformed_frame(
+                "seq_length", "seq frame must be %d bytes, got %d", SEQ_BYTES, len(seq_frame)
+            )
+            return None
+        if len(payload) > self._max_payload_bytes:
+            self._malformed_frame(
+                "payload_size", "payload of %d bytes exceeds max_payload_bytes=%d",
+                len(payload), self._max_payload_bytes,
+            )
+            return None
+        try:
+            batch = self._decoder.decode(payload)
+        except WireError as err:
+            self._malformed_frame("payload_decode", "%s", err)
+            return None
+        return _Message(decode_seq(seq_frame), payload, batch, topic, now, replayed)
+
+    def _parse_replay(self, frames: list[bytes]) -> _Message | bool:
+        """A replayed message, True for the end marker, False for a skipped frame."""
+        if len(frames) == 4 and frames[0] == b"":  # vLLM / SGLang / ours
+            topic, seq_frame, payload = frames[1], frames[2], frames[3]
+            if seq_frame == END_SEQ:
+                return True
+        elif len(frames) == 3 and frames[0] == b"":  # TokenSpeed: no topic frame
+            topic, seq_frame, payload = self._topic, frames[1], frames[2]
+            if seq_frame == END_SEQ:
+                return True
+        else:
+            self._malformed_frame(
+                "replay_frame",
+                "expected [b'', topic, seq, payload] or [b'', seq, payload], got %d frames",
+                len(frames),
+            )
+            return False
+        message = self._check(topic, seq_frame, payload, time.time(), replayed=True)
+        return False if message is None else message
+
+    # ------------------------------------------------------------ sequencing
+
+    def _drain_held(self, out: list[SubscriberItem]) -> None:
+        while self._replay is None and self._held:
+            self._on_live(self._held.popleft(), out)
+
+    def _on_live(self, message: _Message, out: list[SubscriberItem]) -> None:
+        tracker = self._tracker
+        if not self._joined:
+            self._joined = True
+            if message.seq != 0:
+                if self._replay_endpoint is not None:
+                    self._held.appendleft(message)
+                    self._start_replay(0, _JOIN, message.seq, out)
+                    return
+                logger.info(
+                    "kv subscriber worker=%s: first seq seen is %d and there is no replay "
+                    "endpoint; starting there", self._worker, message.seq,
+                )
+                tracker.jump_to(message.seq)
+            self._deliver(message, out)
+            return
+        verdict = tracker.classify(message.seq, message.payload)
+        kind = verdict.kind
+        if kind is VerdictKind.IN_ORDER:
+            self._deliver(message, out)
+        elif kind is VerdictKind.DUPLICATE:
+            self._duplicates += 1
+        elif kind is VerdictKind.GAP:
+            self._gaps += 1
+            expected = verdict.expected if verdict.expected is not None else message.seq
+            if self._replay_endpoint is not None:
+                self._held.appendleft(message)
+                self._start_replay(expected, _GAP, message.seq, out)
+            else:
+                self._resync(out, expected, message.seq, RESYNC_NO_REPLAY)
+                tracker.jump_to(message.seq)
+                self._deliver(message, out)
+        else:  # RESTART
+            self._on_restart(message, verdict.last, verdict.expected, out)
+
+    def _on_restart(
+        self,
+        message: _Message,
+        last: int | None,
+        expected: int | None,
+        out: list[SubscriberItem],
+    ) -> None:
+        self._restarts += 1
+        epoch = self._tracker.new_epoch()
+        last_seq = last if last is not None else (expected or 1) - 1
+        logger.warning(
+            "kv subscriber worker=%s: publisher restarted (seq %d after %d), epoch=%d",
+            self._worker, message.seq, last_seq, epoch,
+        )
+        out.append(PublisherRestarted(self._worker, last_seq, message.seq, epoch))
+        self._tracker.jump_to(0)
+        if message.seq == 0:
+            self._deliver(message, out)
+        elif self._replay_endpoint is not None:
+            self._held.appendleft(message)
+            self._start_replay(0, _RESTART, message.seq, out)
+        else:
+            self._resync(out, 0, message.seq, RESYNC_NO_REPLAY)
+            self._tracker.jump_to(message.seq)
+            self._deliver(message, out)
+
+    def _deliver(self, message: _Message, out: list[SubscriberItem]) -> None:
+        # Replayed batches are remembered by fingerprint so that their live
+        # copies, arriving later, are recognised as duplicates.
+        self._tracker.observe(message.seq, message.payload if message.replayed else None)
+        self._delivered += 1
+        if message.replayed:
+            self._replayed += 1
+        out.append(
+            BatchReceived(
+                self._worker, message.seq, message.batch, message.payload, message.topic,
+                message.recv_time_s, self._tracker.epoch, message.replayed,
+            )
+        )
+
+    def _resync(self, out: list[SubscriberItem], expected: int, got: int, reason: str) -> None:
+        self._resyncs += 1
+        self._limiter.log(
+            logging.WARNING, ("resync", reason),
+            "kv subscriber worker=%s: batches %d..%d lost (%s); worker needs resync",
+            self._worker, expected, got - 1, reason,
+        )
+        out.append(ResyncNeeded(self._worker, expected, got, reason, self._tracker.epoch))
+
+    # --------------------------------------------------------------- replay
+
+    def _begin_resume(self, out: list[SubscriberItem]) -> None:
+        assert self._start_seq is not None
+        if self._replay_endpoint is not None:
+            self._start_replay(self._start_seq, _RESUME, None, out)
+
+    def _start_replay(
+        self, start_seq: int, purpose: str, target_seq: int | None, out: list[SubscriberItem]
+    ) -> None:
+        self._replay_requests += 1
+        self._replay = _Replay(
+            start_seq, purpose, target_seq, time.monotonic() + self._replay_timeout_s, []
+        )
+        dealer = self._ensure_dealer()
+        try:
+            dealer.send_multipart((b"", encode_seq(start_seq)), zmq.NOBLOCK)
+        except zmq.ZMQError as err:
+            logger.warning(
+                "kv subscriber worker=%s: cannot send replay request: %s", self._worker, err
+            )
+            self._reset_dealer()
+            self._finish_replay(out, RESYNC_REPLAY_TIMEOUT)
+            return
+        logger.debug(
+            "kv subscriber worker=%s: replay requested from seq %d (%s, up to %s)",
+            self._worker, start_seq, purpose, target_seq,
+        )
+
+    def _ensure_dealer(self) -> zmq.Socket[bytes]:
+        if self._dealer is None:
+            assert self._replay_endpoint is not None
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.linger = 0
+            dealer.setsockopt(zmq.RCVHWM, 0)  # a full ring must never be cut short
+            if ipv6_endpoint(self._replay_endpoint):
+                dealer.setsockopt(zmq.IPV6, 1)
+            dealer.connect(self._replay_endpoint)
+            self._dealer = dealer
+        return self._dealer
+
+    def _reset_dealer(self) -> None:
+        """Drop the DEALER so that a late reply can never answer the next request."""
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None
+
+    def _pump_replay(self, out: list[SubscriberItem]) -> None:
+        replay = self._replay
+        if replay is None:
+            return
+        dealer = self._dealer
+        while dealer is not None:
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            parsed = self._parse_replay(frames)
+            if parsed is True:
+                self._finish_replay(out, None)
+                return
+            if isinstance(parsed, _Message):
+                replay.items.append(parsed)
+        if time.monotonic() >= replay.deadline:
+            self._replay_timeouts += 1
+            logger.warning(
+                "kv subscriber worker=%s: replay from seq %d not answered within %.1fs",
+                self._worker, replay.start_seq, self._replay_timeout_s,
+            )
+            self._reset_dealer()
+            self._finish_replay(out, RESYNC_REPLAY_TIMEOUT)
+
+    def _finish_replay(self, out: list[SubscriberItem], failure: str | None) -> None:
+        """Merge the replayed batches with the live ones held meanwhile, deliver
+        them in seq order, and report whatever neither could supply."""
+        replay = self._replay
+        assert replay is not None
+        self._replay = None
+        start = replay.start_seq
+        merged: dict[int, _Message] = {}
+        for message in replay.items:
+            if message.seq >= start:
+                merged.setdefault(message.seq, message)
+        # The held live messages are merged while they keep increasing; a drop
+        # (a restart during the replay) is left to the live path.
+        previous = start - 1
+        newest_live: int | None = None
+        held = self._held
+        while held and held[0].seq > previous:
+            message = held.popleft()
+            previous = newest_live = message.seq
+            if message.seq in merged:
+                self._duplicates += 1
+            else:
+                merged[message.seq] = message
+        tracker = self._tracker
+        tracker.jump_to(start)
+        first_replayed = replay.items[0].seq if replay.items else None
+        fresh = replay.purpose == _JOIN  # very first connection: no resync for old history
+        for seq in sorted(merged):
+            expected = tracker.expected_seq
+            assert expected is not None
+            if seq > expected:
+                if newest_live is not None and expected > newest_live:
+                    # The ring ran ahead of the live stream and does not reach back
+                    # to it: the missing seqs may still arrive live. Stop here; the
+                    # rest of the replay will come live too (or trigger a new replay).
+                    break
+                if fresh:
+                    logger.info(
+                        "kv subscriber worker=%s: history before seq %d is gone "
+                        "(fresh subscription to a running publisher; replay: %s)",
+                        self._worker, seq, failure or "answered",
+                    )
+                else:
+                    if failure is not None:
+                        reason = failure
+                    elif first_replayed is None or seq <= first_replayed:
+                        reason = RESYNC_RING_EXHAUSTED
+                    else:
+                        reason = RESYNC_REPLAY_INCOMPLETE
+                    self._resync(out, expected, seq, reason)
+                tracker.jump_to(seq)
+            fresh = False
+            self._deliver(merged[seq], out)
+
+
+class SubscriberGroup:
+    """Poll many subscribers at once (one zmq poller over all their sockets).
+
+    Items of one worker keep their order; items of different workers are
+    interleaved in the order their sockets were found ready.
+    """
+
+    def __init__(self, subscribers: Iterable[EventSubscriber] = ()) -> None:
+        self._subs: dict[str, EventSubscriber] = {}
+        for sub in subscribers:
+            self.add(sub)
+
+    def add(self, subscriber: EventSubscriber) -> None:
+        if subscriber.worker in self._subs:
+            raise ValueError(f"duplicate worker {subscriber.worker!r} in SubscriberGroup")
+        self._subs[subscriber.worker] = subscriber
+
+    def remove(self, worker: str) -> EventSubscriber:
+        """Take a subscriber out of the group (the caller closes it)."""
+        return self._subs.pop(worker)
+
+    def get(self, worker: str) -> EventSubscriber | None:
+        return self._subs.get(worker)
+
+    @property
+    def workers(self) -> list[str]:
+        return list(self._subs)
+
+    def __iter__(self) -> Iterator[EventSubscriber]:
+        return iter(list(self._subs.values()))
+
+    def __len__(self) -> int:
+        return len(self._subs)
+
+    def poll(self, timeout_s: float) -> list[SubscriberItem]:
+        """Wait up to ``timeout_s`` for any subscriber, then return all ready items."""
+        out: list[SubscriberItem] = []
+        subs = list(self._subs.values())
+        for sub in subs:
+            if sub.needs_processing():
+                out.extend(sub.process_ready())
+        if out:
+            return out
+        poller = zmq.Poller()
+        owners: dict[zmq.Socket[bytes], EventSubscriber] = {}
+        wait_s = timeout_s
+        for sub in subs:
+            for sock in sub.poll_sockets():
+                poller.register(sock, zmq.POLLIN)
+                owners[sock] = sub
+            hint = sub.timeout_hint_s()
+            if hint is not None:
+                wait_s = min(wait_s, hint)
+        ready = {owners[sock] for sock, _ in poller.poll(max(0, int(wait_s * 1000)))}
+        for sub in subs:
+            if sub in ready or sub.needs_processing():
+                out.extend(sub.process_ready())
+        return out
+
+    def statistics(self) -> dict[str, SubscriberStatistics]:
+        return {worker: sub.statistics() for worker, sub in self._subs.items()}
+
+    def close(self) -> None:
+        """Close every subscriber in the group."""
+        for sub in self._subs.values():
+            sub.close()
+        self._subs.clear()

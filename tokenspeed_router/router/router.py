@@ -1,0 +1,734 @@
+"""The router: pick a worker (or a prefill/decode pair) for each request.
+
+``Router.route(token_ids)`` combines three things:
+
+* **prefix knowledge** — per worker, how many leading blocks of the prompt it
+  holds and on which tier: exact from the event-fed :class:`KvIndex` for
+  workers that publish KV events, approximate (what this router routed there,
+  with a TTL) for workers that do not, nothing for *cold* workers (their index
+  state is being resynchronised, so it cannot be trusted);
+* **load** — per worker, requests in flight, their outstanding prefill tokens
+  and their context tokens, tracked from the router's own decisions and
+  released by :meth:`Router.release` (request finished),
+  :meth:`Router.mark_prefill_done` (first token) or after
+  ``inflight_timeout_s``; or supplied by the caller through ``load_provider``;
+* **a policy** — the cost in ``scoring.py`` (``kv_aware``, ``least_loaded``,
+  ``approx``) minimised with deterministic tie-breaking or sampled with a
+  softmax, or a cache-blind baseline (``random``, ``round_robin``).
+
+Disaggregated serving. When some workers are ``prefill``-only or
+``decode``-only, a request gets a decode worker (chosen among decode-capable
+workers by the same cost: decode workers hold past turns, so their prefix
+saves KV transfer or local prefill) and, unless that decode worker's uncached
+part is at most ``local_prefill_threshold_tokens``, a prefill worker (chosen
+among prefill-capable workers by the cost). In the answer, ``worker`` is where
+the prompt is prefilled and ``decode_worker`` where tokens are generated;
+``prefill_worker`` is set only when those differ (a remote prefill and a KV
+transfer are needed) and is ``None`` when the decode worker prefills locally.
+With only ``both`` workers the router never splits a request:
+``worker == decode_worker`` and ``prefill_worker is None``.
+
+One owner: a Router is not thread safe; the server calls it from one task.
+The clock and the RNG are injected; nothing here reads global state.
+Complexity per ``route``: one index match (hashing included) plus O(workers).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import math
+import random
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenspeed_router.errors import ConfigError, NoWorkerAvailableError
+from tokenspeed_router.router.index import lora_key
+from tokenspeed_router.router.scoring import (
+    ApproxPrefixStore,
+    CostWeights,
+    Policy,
+    PrefixIndex,
+    WorkerLoad,
+    credited_tokens,
+    pick_lowest,
+    sample_softmax,
+)
+
+__all__ = [
+    "LoadProvider",
+    "RouteDecision",
+    "Router",
+    "RouterConfig",
+    "RouterStatistics",
+    "WorkerInfo",
+    "WorkerRole",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerRole(str, enum.Enum):
+    """What a worker may do in disaggregated serving."""
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+#: ``load_provider(worker) -> WorkerLoad | None``: the caller's view of a
+#: worker's load (e.g. the simulator's real queues). ``None`` means "use the
+#: router's own in-flight tracking for this worker".
+LoadProvider = Callable[[str], "WorkerLoad | None"]
+
+
+def _finite_nonneg(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def _positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """Routing policy and cost weights (validated on construction).
+
+    Weights are in token units (see ``scoring.py``): ``prefill_weight`` per
+    uncached prompt token of this request, ``queue_weight`` per prefill token
+    already queued on the worker, ``decode_weight`` per context token of
+    requests in flight there, ``request_weight`` per in-flight request. The
+    defaults estimate TTFT as "queued prefill + own uncached prefill", with a
+    small pull towards workers holding less live KV.
+    """
+
+    #: One of :class:`Policy` (a plain string such as ``"round_robin"`` works).
+    policy: Policy | str = Policy.KV_AWARE
+    prefill_weight: float = 1.0
+    queue_weight: float = 1.0
+    decode_weight: float = 0.05
+    request_weight: float = 0.0
+    #: Fraction of a block's prefill a CPU-tier (resp. storage-tier) hit saves.
+    cpu_hit_credit: float = 0.75
+    storage_hit_credit: float = 0.25
+    #: 0 = argmin of the cost; > 0 = softmax sampling over range-normalised costs.
+    temperature: float = 0.0
+    #: Seed of the router's own ``random.Random`` when none is passed in.
+    seed: int = 0
+    #: In-flight entries not released within this time stop counting as load.
+    inflight_timeout_s: float = 300.0
+    #: P/D: skip remote prefill when the decode worker misses at most this many tokens.
+    local_prefill_threshold_tokens: int = 512
+    #: Approximate prefix store (workers without events, ``approx`` policy).
+    approx_block_size: int = 64
+    approx_ttl_s: float = 120.0
+    approx_max_blocks_per_worker: int = 100_000
+    #: > 0: also remember routed prompts for event-publishing workers for this
+    #: long, and score each worker by the larger of index and memory, so that
+    #: sibling requests arriving before the engine's BlockStored still
+    #: co-locate (Dynamo's predict-on-route). 0 disables it.
+    predict_on_route_ttl_s: float = 0.0
+    #: Prefix of generated request ids; None = a random one per Router.
+    request_id_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            policy = Policy(self.policy)
+        except ValueError:
+            names = ", ".join(p.value for p in Policy)
+            raise ConfigError(f"unknown policy {self.policy!r}; expected one of {names}") from None
+        object.__setattr__(self, "policy", policy)
+        for name in ("prefill_weight", "queue_weight", "decode_weight", "request_weight"):
+            _finite_nonneg(name, getattr(self, name))
+        for name in ("cpu_hit_credit", "storage_hit_credit"):
+            value = getattr(self, name)
+            _finite_nonneg(name, value)
+            if value > 1.0:
+                raise ConfigError(f"{name} must be in [0, 1], got {value!r}")
+        _finite_nonneg("temperature", self.temperature)
+        _positive("inflight_timeout_s", self.inflight_timeout_s)
+        _positive("approx_ttl_s", self.approx_ttl_s)
+        _finite_nonneg("predict_on_route_ttl_s", self.predict_on_route_ttl_s)
+        for name in (
+            "local_prefill_threshold_tokens",
+            "approx_block_size",
+            "approx_max_blocks_per_worker",
+            "seed",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{name} must be an int, got {value!r}")
+        if self.local_prefill_threshold_tokens < 0:
+            raise ConfigError("local_prefill_threshold_tokens must be >= 0")
+        if self.approx_block_size <= 0 or self.approx_max_blocks_per_worker <= 0:
+            raise ConfigError("approx_block_size and approx_max_blocks_per_worker must be > 0")
+
+    @property
+    def policy_name(self) -> str:
+        """The policy as its string value."""
+        return Policy(self.policy).value
+
+    def weights(self) -> CostWeights:
+        """The cost weights as one struct (for ``scoring.worker_cost``)."""
+        return CostWeights(
+            prefill_weight=self.prefill_weight,
+            queue_weight=self.queue_weight,
+            decode_weight=self.decode_weight,
+            request_weight=self.request_weight,
+            cpu_hit_credit=self.cpu_hit_credit,
+            storage_hit_credit=self.storage_hit_credit,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """The answer of ``POST /route`` (DESIGN §6).
+
+    ``worker``: where the prompt is prefilled (the decode worker itself unless
+    a remote prefill is needed). ``matched_blocks``/``matched_tokens``: the
+    prefix ``worker`` holds, in its block size. ``scores``: leading blocks each
+    candidate holds as the router saw them (cold workers count 0; workers
+    without events count what the router remembers), only non-zero entries.
+    ``prefill_worker``: set only for a remote prefill; ``decode_worker``: where
+    tokens are generated.
+    """
+
+    worker: str
+    matched_blocks: int
+    matched_tokens: int
+    scores: dict[str, int]
+    prefill_worker: str | None
+    decode_worker: str
+    request_id: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, keys as in DESIGN §6."""
+        return {
+            "worker": self.worker,
+            "matched_blocks": self.matched_blocks,
+            "matched_tokens": self.matched_tokens,
+            "scores": dict(self.scores),
+            "prefill_worker": self.prefill_worker,
+            "decode_worker": self.decode_worker,
+            "request_id": self.request_id,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """How the router knows a worker."""
+
+    role: WorkerRole
+    events: bool
+    cold: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RouterStatistics:
+    """Counters since construction (a frozen snapshot)."""
+
+    routed: int
+    released: int
+    expired: int
+    in_flight: int
+    remote_prefills: int
+    local_prefills: int
+
+
+@dataclass(slots=True)
+class _Worker:
+    name: str
+    role: WorkerRole
+    events: bool
+    cold: bool = False
+    active_requests: int = 0
+    pending_prefill_tokens: int = 0
+    active_tokens: int = 0
+    last_pick: int = -1  # serial of the last route that chose it (-1: never)
+
+
+@dataclass(slots=True)
+class _Part:
+    worker: str
+    requests: int
+    pending_prefill_tokens: int
+    active_tokens: int
+    prefill_only: bool  # the remote prefill worker's share: gone at prefill done
+
+
+@dataclass(slots=True)
+class _InFlight:
+    request_id: str
+    deadline_s: float
+    parts: list[_Part] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pools:
+    """Worker lists derived from membership, rebuilt only when it changes."""
+
+    all: list[str]
+    decode: list[str]
+    prefill: list[str]
+    indexed: list[str]  # publish events: scored from the index
+    remembered: list[str]  # no events: scored from the approximate store
+
+
+@dataclass(slots=True)
+class _Known:
+    """Prefix knowledge of one worker for one request.
+
+    ``credit``: prompt tokens the prefix saves after tier credits.
+    """
+
+    blocks: int
+    block_size: int
+    credit: float
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_size
+
+
+class Router:
+    """Chooses workers for requests; see the module docstring.
+
+    ``index`` may be None when no worker publishes events (baselines, approx).
+    ``clock`` (seconds, monotonic) drives in-flight expiry and approximate-store
+    TTLs; ``rng`` drives softmax sampling and the ``random`` policy (default:
+    ``random.Random(config.seed)``); ``load_provider`` replaces the router's
+    own load tracking per worker when it returns a :class:`WorkerLoad`.
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex | None,
+        config: RouterConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        load_provider: LoadProvider | None = None,
+    ) -> None:
+        self._index = index
+        self._config = config = config if config is not None else RouterConfig()
+        self._policy = Policy(config.policy)
+        self._weights = config.weights()
+        self._clock = clock
+        self._rng = rng if rng is not None else random.Random(config.seed)
+        self._load_provider = load_provider
+        self._workers: dict[str, _Worker] = {}
+        self._cold: set[str] = set()
+        self._pools: _Pools | None = None  # derived from _workers; None = rebuild
+        self._inflight: dict[str, _InFlight] = {}
+        self._expiry: deque[_InFlight] = deque()
+        self._approx = ApproxPrefixStore(
+            block_size=config.approx_block_size,
+            ttl_s=config.approx_ttl_s,
+            max_blocks=config.approx_max_blocks_per_worker,
+        )
+        self._predicted: ApproxPrefixStore | None = None
+        if config.predict_on_route_ttl_s > 0:
+            self._predicted = ApproxPrefixStore(
+                block_size=config.approx_block_size,
+                ttl_s=config.predict_on_route_ttl_s,
+                max_blocks=config.approx_max_blocks_per_worker,
+            )
+        self._cursors: dict[str, int] = {}
+        self._serial = itertools.count()
+        prefix = config.request_id_prefix
+        self._id_prefix = prefix if prefix is not None else uuid.uuid4().hex[:12]
+        self._ids = itertools.count()
+        self._num_split_roles = 0  # workers whose role is prefill or decode
+        self._routed = 0
+        self._released = 0
+        self._expired = 0
+        self._remote_prefills = 0
+        self._local_prefills = 0
+
+    # --- membership -----------------------------------------------------------
+
+    @property
+    def config(self) -> RouterConfig:
+        """The (frozen) configuration."""
+        return self._config
+
+    def add_worker(
+        self, name: str, role: WorkerRole | str = "both", *, events: bool = True
+    ) -> None:
+        """Make ``name`` routable. Re-adding updates role/events and keeps its load.
+
+        ``events=False`` marks a worker that publishes no KV events: its prefix
+        knowledge comes from what this router routed there (approx mode).
+        ``name`` must equal the index's worker name (``NAME/dpR`` per DP rank).
+        """
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"worker name must be a non-empty string, got {name!r}")
+        try:
+            parsed = WorkerRole(role)
+        except ValueError:
+            raise ConfigError(
+                f"worker {name!r}: role must be 'both', 'prefill' or 'decode', got {role!r}"
+            ) from None
+        old = self._workers.get(name)
+        if old is None:
+            self._workers[name] = _Worker(name, parsed, bool(events))
+        else:
+            if old.role is not WorkerRole.BOTH:
+                self._num_split_roles -= 1
+            old.role = parsed
+            old.events = bool(events)
+        if parsed is not WorkerRole.BOTH:
+            self._num_split_roles += 1
+        self._pools = None
+
+    def remove_worker(self, name: str) -> None:
+        """Stop routing to ``name`` and forget its load and approximate prefixes."""
+        worker = self._workers.pop(name, None)
+        if worker is None:
+            return
+        if worker.role is not WorkerRole.BOTH:
+            self._num_split_roles -= 1
+        self._cold.discard(name)
+        self._pools = None
+        for entry in self._inflight.values():
+            entry.parts = [p for p in entry.parts if p.worker != name]
+        self._approx.clear_worker(name)
+        if self._predicted is not None:
+            self._predicted.clear_worker(name)
+
+    def set_cold(self, name: str, cold: bool) -> None:
+        """Cold workers score 0 matched blocks (their index state is not trusted)
+        but stay routable by load. The ingestor's resyncing/stale states map here.
+        """
+        self._worker(name).cold = bool(cold)
+        if cold:
+            self._cold.add(name)
+        else:
+            self._cold.discard(name)
+
+    def workers(self) -> dict[str, WorkerInfo]:
+        """Every routable worker with its role, event mode and cold flag."""
+        return {w.name: WorkerInfo(w.role, w.events, w.cold) for w in self._workers.values()}
+
+    # --- routing --------------------------------------------------------------
+
+    def route(
+        self,
+        token_ids: Any,
+        *,
+        request_id: str | None = None,
+        lora_id: int | str | None = None,
+        salt: str | bytes | None = None,
+    ) -> RouteDecision:
+        """Choose where to prefill and decode ``token_ids`` and count it in flight.
+
+        Raises :class:`NoWorkerAvailableError` when no worker can take it, and
+        :class:`~tokenspeed_router.errors.WireError` for token ids that cannot be
+        hashed. A ``request_id`` still in flight is released and routed anew.
+        """
+        now = self._clock()
+        self._expire(now)
+        workers = self._workers
+        if not workers:
+            raise NoWorkerAvailableError("no workers: add_worker() first")
+        if request_id is None:
+            request_id = f"{self._id_prefix}-{next(self._ids)}"
+        elif request_id in self._inflight:
+            self.release(request_id)
+        num_tokens = len(token_ids)
+        policy = self._policy
+
+        known: dict[str, _Known] = {}
+        hashes: list[int] | None = None
+        if policy in (Policy.KV_AWARE, Policy.APPROX):
+            known, hashes = self._knowledge(token_ids, lora_id, salt, now)
+
+        pools = self._membership()
+        if self._num_split_roles == 0:
+            decode = self._choose("all", pools.all, num_tokens, known)
+            prefill = None
+        else:
+            if not pools.decode:
+                raise NoWorkerAvailableError("no decode-capable worker (role decode or both)")
+            decode = self._choose("decode", pools.decode, num_tokens, known)
+            prefill = None
+            uncached = num_tokens - self._tokens(known, decode)
+            if uncached > self._config.local_prefill_threshold_tokens and pools.prefill:
+                prefill = self._choose("prefill", pools.prefill, num_tokens, known)
+                if prefill == decode:
+                    prefill = None
+
+        site = prefill if prefill is not None else decode
+        site_known = known.get(site)
+        matched_blocks = site_known.blocks if site_known is not None else 0
+        matched_tokens = site_known.tokens if site_known is not None else 0
+        self._admit(request_id, now, num_tokens, known, decode, prefill)
+        if hashes is not None:
+            self._remember(hashes, (site, decode), now)
+        self._routed += 1
+        if prefill is not None:
+            self._remote_prefills += 1
+        elif self._num_split_roles:
+            self._local_prefills += 1
+        scores = {w: k.blocks for w, k in known.items() if k.blocks > 0}
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "route request_id=%s tokens=%d worker=%s prefill=%s decode=%s matched=%d",
+                request_id,
+                num_tokens,
+                site,
+                prefill,
+                decode,
+                matched_blocks,
+            )
+        return RouteDecision(
+            worker=site,
+            matched_blocks=matched_blocks,
+            matched_tokens=matched_tokens,
+            scores=scores,
+            prefill_worker=prefill,
+            decode_worker=decode,
+            request_id=request_id,
+        )
+
+    def release(self, request_id: str) -> bool:
+        """The request finished: stop counting it. False if unknown or expired."""
+        entry = self._inflight.pop(request_id, None)
+        if entry is None:
+            return False
+        self._drop(entry)
+        self._released += 1
+        if len(self._expiry) > 2 * len(self._inflight) + 1024:
+            # Released entries wait in the expiry queue until their deadline;
+            # compact it so a busy router holds O(in flight), not O(rate * timeout).
+            live = self._inflight
+            self._expiry = deque(e for e in self._expiry if live.get(e.request_id) is e)
+        return True
+
+    def mark_prefill_done(self, request_id: str) -> bool:
+        """The request produced its first token: its prefill is no longer queued.
+
+        Drops its pending prefill tokens everywhere and its share on a remote
+        prefill worker; the decode worker keeps counting it until
+        :meth:`release`. Optional: without it, prefill tokens count until release.
+        """
+        entry = self._inflight.get(request_id)
+        if entry is None:
+            return False
+        kept: list[_Part] = []
+        for part in entry.parts:
+            worker = self._workers.get(part.worker)
+            if worker is not None:
+                worker.pending_prefill_tokens -= part.pending_prefill_tokens
+                if part.prefill_only:
+                    worker.active_requests -= part.requests
+                    worker.active_tokens -= part.active_tokens
+            part.pending_prefill_tokens = 0
+            if not part.prefill_only:
+                kept.append(part)
+        entry.parts = kept
+        return True
+
+    def load(self) -> dict[str, WorkerLoad]:
+        """Per worker: in-flight requests, pending prefill tokens, context tokens.
+
+        The router's own tracking (after expiring overdue entries), not the
+        ``load_provider``'s view.
+        """
+        self._expire(self._clock())
+        return {
+            w.name: WorkerLoad(w.active_requests, w.pending_prefill_tokens, w.active_tokens)
+            for w in self._workers.values()
+        }
+
+    def in_flight(self) -> int:
+        """Requests currently counted in flight."""
+        return len(self._inflight)
+
+    def statistics(self) -> RouterStatistics:
+        """Counters since construction."""
+        return RouterStatistics(
+            routed=self._routed,
+            released=self._released,
+            expired=self._expired,
+            in_flight=len(self._inflight),
+            remote_prefills=self._remote_prefills,
+            local_prefills=self._local_prefills,
+        )
+
+    # --- internals --------------------------------------------------------------
+
+    def _worker(self, name: str) -> _Worker:
+        try:
+            return self._workers[name]
+        except KeyError:
+            raise KeyError(f"unknown worker {name!r}") from None
+
+    def _membership(self) -> _Pools:
+        pools = self._pools
+        if pools is None:
+            ws = sorted(self._workers.values(), key=lambda w: w.name)
+            approx_all = self._policy is Policy.APPROX
+            pools = self._pools = _Pools(
+                all=[w.name for w in ws],
+                decode=[w.name for w in ws if w.role is not WorkerRole.PREFILL],
+                prefill=[w.name for w in ws if w.role is not WorkerRole.DECODE],
+                indexed=[] if approx_all else [w.name for w in ws if w.events],
+                remembered=[w.name for w in ws if approx_all or not w.events],
+            )
+        return pools
+
+    def _knowledge(
+        self, token_ids: Any, lora_id: int | str | None, salt: str | bytes | None, now: float
+    ) -> tuple[dict[str, _Known], list[int] | None]:
+        """Matched prefix per routable worker: index, approximate store, or both."""
+        workers = self._workers
+        weights = self._weights
+        pools = self._membership()
+        known: dict[str, _Known] = {}
+        index_workers = pools.indexed
+        approx_names = pools.remembered
+        if index_workers and self._index is not None:
+            detail = self._index.match_detail(token_ids, lora_id, salt)
+            block_size = detail.block_size
+            tiers = detail.tiers
+            for name, blocks in detail.scores.items():
+                w = workers.get(name)
+                if w is None or not w.events or blocks <= 0:
+                    continue
+                bs = block_size.get(name, 0)
+                t = tiers.get(name)
+                if t is None or t.get("gpu", 0) >= blocks:
+                    credit = float(blocks * bs)  # all on GPU: the common case
+                else:
+                    credit = credited_tokens(blocks, bs, t, weights)
+                known[name] = _Known(blocks, bs, credit)
+        hashes: list[int] | None = None
+        predicted = self._predicted
+        if approx_names or predicted is not None:
+            hashes = self._approx.hash_prompt(token_ids, lora_key(lora_id), salt)
+            bs = self._approx.block_size
+            if approx_names:
+                for name, blocks in self._approx.match(hashes, approx_names, now).items():
+                    known[name] = _Known(blocks, bs, float(blocks * bs))
+            if predicted is not None and index_workers:
+                for name, blocks in predicted.match(hashes, index_workers, now).items():
+                    have = known.get(name)
+                    if have is None or have.tokens < blocks * bs:
+                        known[name] = _Known(blocks, bs, float(blocks * bs))
+        for name in self._cold:
+            known.pop(name, None)
+        return known, hashes
+
+    @staticmethod
+    def _tokens(known: Mapping[str, _Known], name: str) -> int:
+        k = known.get(name)
+        return k.tokens if k is not None else 0
+
+    def _choose(
+        self, pool: str, candidates: list[str], num_tokens: int, known: Mapping[str, _Known]
+    ) -> str:
+        """Apply the policy to one pool of candidates."""
+        policy = self._policy
+        if policy is Policy.RANDOM:
+            names = sorted(candidates)
+            return names[int(self._rng.random() * len(names)) % len(names)]
+        if policy is Policy.ROUND_ROBIN:
+            names = sorted(candidates)
+            cursor = self._cursors.get(pool, 0)
+            self._cursors[pool] = cursor + 1
+            return names[cursor % len(names)]
+        # scoring.worker_cost, inlined: this loop runs for every worker on every request.
+        weights = self._weights
+        pw, qw = weights.prefill_weight, weights.queue_weight
+        dw, rw = weights.decode_weight, weights.request_weight
+        provider = self._load_provider
+        workers = self._workers
+        get_known = known.get
+        costs: dict[str, float] = {}
+        for name in candidates:
+            load: Any = workers[name]
+            if provider is not None:
+                external = provider(name)
+                if external is not None:
+                    load = external
+            k = get_known(name)
+            uncached = num_tokens - k.credit if k is not None else num_tokens
+            if uncached < 0:
+                uncached = 0
+            costs[name] = (
+                pw * uncached
+                + qw * load.pending_prefill_tokens
+                + dw * load.active_tokens
+                + rw * load.active_requests
+            )
+        if self._config.temperature > 0.0:
+            return sample_softmax(costs, self._config.temperature, self._rng)
+        return pick_lowest(costs, lambda n: (workers[n].active_requests, workers[n].last_pick))
+
+    def _admit(
+        self,
+        request_id: str,
+        now: float,
+        num_tokens: int,
+        known: Mapping[str, _Known],
+        decode: str,
+        prefill: str | None,
+    ) -> None:
+        """Count the request on the chosen workers."""
+        entry = _InFlight(request_id, now + self._config.inflight_timeout_s)
+        serial = next(self._serial)
+        site = prefill if prefill is not None else decode
+        site_known = known.get(site)
+        credit = site_known.credit if site_known is not None else 0.0
+        uncached = max(round(num_tokens - credit), 0)
+        if prefill is None:
+            entry.parts.append(_Part(decode, 1, uncached, num_tokens, prefill_only=False))
+        else:
+            entry.parts.append(_Part(prefill, 1, uncached, 0, prefill_only=True))
+            entry.parts.append(_Part(decode, 1, 0, num_tokens, prefill_only=False))
+        for part in entry.parts:
+            w = self._workers[part.worker]
+            w.active_requests += part.requests
+            w.pending_prefill_tokens += part.pending_prefill_tokens
+            w.active_tokens += part.active_tokens
+            w.last_pick = serial
+        self._inflight[request_id] = entry
+        self._expiry.append(entry)
+
+    def _remember(self, hashes: list[int], chosen: tuple[str, ...], now: float) -> None:
+        """Record the routed prompt for workers whose knowledge comes from memory."""
+        approx_all = self._policy is Policy.APPROX
+        for name in dict.fromkeys(chosen):
+            w = self._workers[name]
+            if approx_all or not w.events:
+                self._approx.record(name, hashes, now)
+            elif self._predicted is not None:
+                self._predicted.record(name, hashes, now)
+
+    def _drop(self, entry: _InFlight) -> None:
+        for part in entry.parts:
+            w = self._workers.get(part.worker)
+            if w is None:
+                continue
+            w.active_requests -= part.requests
+            w.pending_prefill_tokens -= part.pending_prefill_tokens
+            w.active_tokens -= part.active_tokens
+        entry.parts = []
+
+    def _expire(self, now: float) -> None:
+        expiry = self._expiry
+        while expiry and expiry[0].deadline_s <= now:
+            entry = expiry.popleft()
+            if self._inflight.get(entry.request_id) is entry:
+                del self._inflight[entry.request_id]
+                self._drop(entry)
+                self._expired += 1
+                logger.debug("in-flight request_id=%s expired", entry.request_id)

@@ -1,0 +1,160 @@
+"""The query API's request types, validation and errors, shared by HTTP and ZeroMQ.
+
+Both transports decode into the same msgspec structs and call the same
+service methods, so a request means the same thing and fails with the same
+message whichever way it came (DESIGN §6). Decoding is typed and total: any
+bytes a client sends end as a request struct or an :class:`ApiError` with a
+4xx status naming the problem (msgspec's messages carry the JSON path, e.g.
+``Expected `int` >= 0 - at `$.token_ids[2]```).
+
+Token ids must be integers in ``[0, 2**63)``: engines use 32-bit vocabularies,
+the content hash encodes u64, and every client language has a signed 64-bit
+integer, so the bound rejects garbage without rejecting any real prompt.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from tokenspeed_router.server.config import ApiLimits
+
+__all__ = [
+    "MAX_TOKEN_ID",
+    "ApiError",
+    "MatchRequest",
+    "ReleaseRequest",
+    "RouteRequest",
+    "ZmqRequest",
+    "check_bearer",
+    "decode_json",
+    "validate_request",
+]
+
+MAX_TOKEN_ID = 2**63 - 1
+TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+LoraId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+
+
+class ApiError(Exception):
+    """A request the API refuses: ``status`` (4xx/5xx) and a message for ``{"error": ...}``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class MatchRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /match`` body."""
+
+    token_ids: list[TokenId]
+    lora_id: LoraId | None = None
+    salt: str | None = None
+
+
+class RouteRequest(MatchRequest, frozen=True, kw_only=True):
+    """``POST /route`` body: a match plus an optional caller-chosen request id."""
+
+    request_id: str | int | None = None
+
+
+class ReleaseRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /release`` body."""
+
+    request_id: str | int
+
+
+# --- ZeroMQ: one msgpack map per request, tagged by "op" ------------------------
+
+
+class _ZmqBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
+    #: echoed in the reply so clients can pipeline and discard late answers
+    id: int | str | None = None
+    #: the bearer token (``"Bearer X"`` or just ``"X"``) when auth is on
+    auth: str | None = None
+
+
+class ZmqMatch(_ZmqBase, frozen=True, kw_only=True, tag="match"):
+    token_ids: list[TokenId]
+    lora_id: LoraId | None = None
+    salt: str | None = None
+
+
+class ZmqRoute(ZmqMatch, frozen=True, kw_only=True, tag="route"):
+    request_id: str | int | None = None
+
+
+class ZmqRelease(_ZmqBase, frozen=True, kw_only=True, tag="release"):
+    request_id: str | int
+
+
+class ZmqWorkers(_ZmqBase, frozen=True, kw_only=True, tag="workers"):
+    pass
+
+
+class ZmqHealth(_ZmqBase, frozen=True, kw_only=True, tag="health"):
+    pass
+
+
+ZmqRequest = ZmqMatch | ZmqRoute | ZmqRelease | ZmqWorkers | ZmqHealth
+ZMQ_OPS = ("match", "route", "release", "workers", "health")
+
+
+def decode_json(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    """Decode a JSON body into the decoder's type, or raise a 400 :class:`ApiError`."""
+    if not body:
+        raise ApiError(400, "empty request body: expected a JSON object")
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as err:
+        raise ApiError(400, f"invalid request: {err}") from None
+    except msgspec.DecodeError as err:
+        raise ApiError(400, f"malformed JSON: {err}") from None
+
+
+def request_id_text(value: str | int | None, limits: ApiLimits) -> str | None:
+    """Normalise a request id to text and bound its length."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else str(value)
+    if not text:
+        raise ApiError(400, "request_id must be a non-empty string")
+    if len(text) > limits.max_request_id_len:
+        raise ApiError(
+            400, f"request_id is {len(text)} characters, limit {limits.max_request_id_len}"
+        )
+    return text
+
+
+def validate_request(req: MatchRequest | ZmqMatch, limits: ApiLimits) -> None:
+    """Checks msgspec cannot express statically (limits are configurable)."""
+    n = len(req.token_ids)
+    if n > limits.max_tokens:
+        raise ApiError(413, f"token_ids has {n} tokens, limit {limits.max_tokens}")
+    if req.salt is not None and len(req.salt) > 4096:
+        raise ApiError(400, "salt is longer than 4096 characters")
+
+
+def check_bearer(presented: str | None, expected: bytes | None, *, header: bool) -> None:
+    """Constant-time token check; raise 401 unless auth is off or the token matches.
+
+    ``header=True`` requires the ``Bearer `` scheme (HTTP); the ZeroMQ ``auth``
+    field accepts the bare token too.
+    """
+    if expected is None:
+        return
+    if not presented:
+        raise ApiError(401, "missing credentials: send 'Authorization: Bearer <token>'")
+    scheme, _, token = presented.partition(" ")
+    if scheme.lower() == "bearer" and token:
+        candidate = token.strip()
+    elif header:
+        raise ApiError(401, "unsupported authorization scheme: expected 'Bearer <token>'")
+    else:
+        candidate = presented
+    if not hmac.compare_digest(candidate.encode("utf-8", "surrogateescape"), expected):
+        raise ApiError(401, "invalid bearer token")

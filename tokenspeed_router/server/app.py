@@ -1,0 +1,495 @@
+"""``RouterService``: one process, one index, one writer.
+
+Threads and who touches what::
+
+    tokenspeed-ingest   owns the subscriber sockets; every item it receives goes
+                        through ONE seam, IngestSink.submit(item)
+    HTTP event loop     queries (match/route/release/workers) and PUT/DELETE /workers
+    tokenspeed-zmq-api  the same queries over a ROUTER socket
+
+The index, the ingestor and the router are mutated only under
+``RouterService._lock``: an item is applied whole under the lock (a batch is
+applied atomically by the index, and the worker's cold flag is updated in the
+same critical section), so a query never sees half a batch or a worker whose
+entries were dropped but not yet marked cold. Queries hold the lock for a
+match or a routing decision (microseconds); the replay round trips of a
+subscriber happen on the ingestion thread *without* the lock.
+
+The ingestion seam (for the Redis state backend and anything else that wants
+to sit between the wire and the index)::
+
+    class IngestSink(Protocol):
+        def submit(self, item: SubscriberItem) -> None   # ingestion thread, in order
+        def close(self) -> None                          # at shutdown, after the last submit
+
+The default :class:`LocalIngestSink` calls :meth:`RouterService.apply_item`
+directly. A replicated backend instead appends the item to its shared stream
+and, from whatever thread reads the stream back (every replica, leader
+included), calls :meth:`RouterService.apply_item` (a live item) or
+:meth:`RouterService.apply_record` (a recorded batch) — the only two ways
+into the index, both taking the lock. ``serve --state URL`` builds that sink
+with ``tokenspeed_router.state.create_ingest_sink(url, service)`` (a
+:data:`SinkFactory`). ``--record FILE`` wraps whatever sink is in use in a
+:class:`RecordingSink`, so the log holds exactly what came off the wire.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import zmq
+
+from tokenspeed_router.errors import ConfigError, NoWorkerAvailableError, WireError
+from tokenspeed_router.events.log import EventLogWriter
+from tokenspeed_router.events.schema import KVEventBatch
+from tokenspeed_router.events.subscriber import BatchReceived, SubscriberItem
+from tokenspeed_router.router.index import KvIndex
+from tokenspeed_router.router.ingest import IndexIngestor, WorkerState
+from tokenspeed_router.router.router import Router
+from tokenspeed_router.server.api import ApiError
+from tokenspeed_router.server.config import ServerConfig, SubscriberSpec, WorkerSpec
+from tokenspeed_router.server.ingest_loop import IngestLoop
+from tokenspeed_router.server.metrics import ServiceMetrics, WorkerSample, WorkerStateCollector
+
+__all__ = [
+    "IngestSink",
+    "LocalIngestSink",
+    "RecordingSink",
+    "RouterService",
+    "SinkFactory",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class IngestSink(Protocol):
+    """Where every subscriber item goes (see the module docstring)."""
+
+    def submit(self, item: SubscriberItem) -> None: ...
+
+    def close(self) -> None: ...
+
+
+#: ``factory(service) -> sink``; ``serve --state`` resolves one from the state backend.
+SinkFactory = Callable[["RouterService"], IngestSink]
+
+
+class LocalIngestSink:
+    """Default sink: apply in this process."""
+
+    def __init__(self, service: RouterService) -> None:
+        self._apply = service.apply_item
+
+    def submit(self, item: SubscriberItem) -> None:
+        self._apply(item)
+
+    def close(self) -> None:
+        pass
+
+
+class NullIngestSink:
+    """Applies nothing (``record`` mode: the index is not needed)."""
+
+    def submit(self, item: SubscriberItem) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RecordingSink:
+    """Writes every received batch to an event log, then passes the item on.
+
+    Restarts and unhealable gaps need no record of their own: they show in the
+    log as the seq going back or jumping, and log replay detects them the same
+    way (``IndexIngestor.on_record``).
+    """
+
+    def __init__(self, inner: IngestSink, writer: EventLogWriter, metrics: ServiceMetrics | None = None) -> None:
+        self._inner = inner
+        self._writer = writer
+        self._metrics = metrics
+        self.records = 0
+
+    def submit(self, item: SubscriberItem) -> None:
+        if isinstance(item, BatchReceived):
+            self._writer.append(
+                item.worker, item.seq, item.payload, recv_time_s=item.recv_time_s, topic=item.topic
+            )
+            self.records += 1
+            if self._metrics is not None:
+                self._metrics.record_bytes.inc(len(item.payload))
+        self._inner.submit(item)
+
+    def close(self) -> None:
+        try:
+            self._inner.close()
+        finally:
+            self._writer.close()
+
+
+class RouterService:
+    """The router process minus its listeners (HTTP and ZMQ serve it).
+
+    Construct, :meth:`start` (subscribes), serve queries, :meth:`stop`.
+    Without workers (``replay --serve``) it is a plain, lock-protected index +
+    router fed through :meth:`apply_record`.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        context: zmq.Context[Any] | None = None,
+        sink_factory: SinkFactory | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.index = KvIndex()
+        self.router = Router(self.index, config.router_config())
+        self.ingestor = IndexIngestor(self.index, on_state_change=self._on_state_change)
+        self.metrics = ServiceMetrics()
+        self.metrics.add_collector(WorkerStateCollector(self._worker_samples))
+        self._lock = threading.Lock()
+        self._wall_clock = wall_clock
+        self._started_s = time.monotonic()
+        self._own_context = context is None
+        self._ctx: zmq.Context[Any] = context if context is not None else zmq.Context()
+        self._sink_factory = sink_factory
+        self._sink: IngestSink | None = None
+        self.recorder: RecordingSink | None = None
+        self._loop: IngestLoop | None = None
+        self._specs: dict[str, WorkerSpec] = {}  # configured worker name -> spec
+        self._subs: dict[str, SubscriberSpec] = {}  # stream name -> spec
+        self._roles: dict[str, str] = {}  # routable worker -> role
+        self._replayed: dict[str, int] = {}
+        self._serving = False
+        self._stopped = False
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Build the sink, subscribe to the configured workers, start ingesting."""
+        base = self._sink_factory(self) if self._sink_factory is not None else LocalIngestSink(self)
+        if self.config.record:
+            meta = {"source": "tokenspeed-router serve", "workers": [w.to_dict() for w in self.config.workers]}
+            self.recorder = RecordingSink(base, EventLogWriter(self.config.record, meta=meta), self.metrics)
+            self._sink = self.recorder
+        else:
+            self._sink = base
+        subs = self.config.subscribers()
+        for spec in self.config.workers:
+            self._specs[spec.name] = spec
+        self._register(subs)
+        self._loop = IngestLoop(
+            context=self._ctx,
+            submit=self._submit,
+            on_stale=self._mark_stale,
+            on_error=self.metrics.ingest_errors.inc,
+            stale_after_s=self.config.stale_after_s,
+            replay_timeout_s=self.config.replay_timeout_s,
+        )
+        try:
+            self._loop.start(subs)
+        except Exception:
+            self._loop.stop()
+            raise
+        self._serving = True
+        logger.info("router service started with %d stream(s)", len(subs))
+
+    def stop(self) -> None:
+        """Stop ingesting, close the sink (flushes the event log). Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._serving = False
+        if self._loop is not None:
+            self._loop.stop()
+        if self._sink is not None:
+            try:
+                self._sink.close()
+            except Exception:
+                logger.exception("closing the ingest sink failed")
+        if self._own_context:
+            if self._loop is not None and self._loop.running:
+                logger.error("ingestion thread still running: not terminating the ZeroMQ context")
+            else:
+                self._ctx.term()
+        logger.info("router service stopped")
+
+    def __enter__(self) -> RouterService:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def context(self) -> zmq.Context[Any]:
+        return self._ctx
+
+    @property
+    def serving(self) -> bool:
+        return self._serving
+
+    # --- the way into the index -------------------------------------------------------
+
+    def _submit(self, item: SubscriberItem) -> None:
+        assert self._sink is not None
+        self._sink.submit(item)
+
+    def apply_item(self, item: SubscriberItem) -> None:
+        """Apply one subscriber item atomically (any thread; items of a worker in order)."""
+        with self._lock:
+            self._ensure_worker(item.worker)
+            if isinstance(item, BatchReceived) and item.replayed:
+                self._replayed[item.worker] = self._replayed.get(item.worker, 0) + 1
+            self.ingestor.on_item(item)
+
+    def apply_record(
+        self, worker: str, seq: int, batch: KVEventBatch, recv_time_s: float, *, payload: bytes | None = None
+    ) -> None:
+        """Apply one recorded batch (log replay, shared-stream followers)."""
+        with self._lock:
+            self._ensure_worker(worker)
+            self.ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
+
+    def _ensure_worker(self, name: str) -> None:
+        # under the lock
+        if name not in self._roles:
+            sub = self._subs.get(name)
+            role = sub.role if sub is not None else "both"
+            self.router.add_worker(name, role)
+            self.ingestor.add_worker(name)
+            self._roles[name] = role
+
+    def _on_state_change(self, worker: str, state: WorkerState) -> None:
+        # called by the ingestor, under the lock
+        if worker in self._roles:
+            self.router.set_cold(worker, state is not WorkerState.LIVE)
+
+    def _mark_stale(self, name: str) -> None:
+        with self._lock:
+            self._ensure_worker(name)
+            self.ingestor.mark_stale(name)
+
+    def preset_roles(self, roles: Mapping[str, str]) -> None:
+        """Declare roles of workers known only from a log (``replay`` reads them from its header)."""
+        with self._lock:
+            for name, role in roles.items():
+                if name not in self._roles:
+                    self.router.add_worker(name, role)
+                    self.ingestor.add_worker(name)
+                    self._roles[name] = role
+
+    def replace_index(self, index: KvIndex) -> None:
+        """Adopt a restored index (warm start from a snapshot); hold :meth:`locked`.
+
+        The ingestor and the router are rebuilt around it (in-flight requests
+        are forgotten: a warm start happens before serving), and every known
+        worker keeps its role; its ingestion state starts ``live``.
+        """
+        self.index = index
+        self.ingestor = IndexIngestor(index, on_state_change=self._on_state_change)
+        self.router = Router(index, self.router.config)
+        for name, role in self._roles.items():
+            self.router.add_worker(name, role)
+            self.ingestor.add_worker(name)
+
+    def _register(self, subs: Iterable[SubscriberSpec]) -> None:
+        with self._lock:
+            for sub in subs:
+                self._subs[sub.name] = sub
+                self._ensure_worker(sub.name)
+            self.metrics.workers.set(len(self._subs))
+
+    # --- queries ---------------------------------------------------------------------
+
+    def match(self, token_ids: list[int], lora_id: int | None = None, salt: str | None = None) -> dict[str, Any]:
+        """``POST /match``: per-worker leading blocks held, block sizes, per-tier detail."""
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                detail = self.index.match_detail(token_ids, lora_id=lora_id, salt=salt)
+        except WireError as err:
+            raise ApiError(400, f"invalid token_ids: {err}") from None
+        self.metrics.match_latency.observe(time.perf_counter() - t0)
+        return {"scores": detail.scores, "block_size": detail.block_size, "tiers": detail.tiers}
+
+    def route(
+        self,
+        token_ids: list[int],
+        *,
+        request_id: str | None = None,
+        lora_id: int | None = None,
+        salt: str | None = None,
+    ) -> dict[str, Any]:
+        """``POST /route``: choose a worker and count the request in flight."""
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                d = self.router.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt)
+        except NoWorkerAvailableError as err:
+            raise ApiError(503, f"no worker available: {err}") from None
+        except WireError as err:
+            raise ApiError(400, f"invalid token_ids: {err}") from None
+        self.metrics.route_latency.observe(time.perf_counter() - t0)
+        self.metrics.observe_route(d.worker, d.matched_tokens)
+        return d.to_dict()
+
+    def release(self, request_id: str) -> bool:
+        """``POST /release``: True when the request was in flight (unknown ids are not errors)."""
+        with self._lock:
+            found = self.router.release(request_id)
+        self.metrics.releases.labels("released" if found else "unknown").inc()
+        return found
+
+    def workers(self) -> dict[str, Any]:
+        """``GET /workers``: per stream role, state, blocks, seq, counters, lag."""
+        now = self._wall_clock()
+        connected = self._loop.connected() if self._loop is not None else {}
+        out: dict[str, Any] = {}
+        with self._lock:
+            statuses = self.ingestor.statuses()
+            load = self.router.load()
+            names = list(dict.fromkeys([*self._subs, *self._roles, *statuses]))
+            for name in names:
+                st = statuses.get(name)
+                sub = self._subs.get(name)
+                wl = load.get(name)
+                entry: dict[str, Any] = {
+                    "worker": sub.worker if sub is not None else name,
+                    "dp_rank": sub.dp_rank if sub is not None else None,
+                    "role": self._roles.get(name, sub.role if sub is not None else "both"),
+                    "state": st.state.value if st is not None else "live",
+                    "blocks": self.index.num_blocks(name),
+                    "blocks_by_tier": self.index.blocks_by_tier(name),
+                    "block_size": self.index.block_size_of(name),
+                    "last_seq": st.last_seq if st is not None else None,
+                    "epoch": st.epoch if st is not None else 0,
+                    "batches_applied": st.batches_applied if st is not None else 0,
+                    "events_applied": st.events_applied if st is not None else 0,
+                    "events_rejected": st.events_rejected if st is not None else 0,
+                    "resyncs": st.resyncs if st is not None else 0,
+                    "restarts": st.restarts if st is not None else 0,
+                    "replayed_batches": self._replayed.get(name, 0),
+                    "lag_s": (now - st.last_batch_ts) if st is not None and st.last_batch_ts else None,
+                    "ingest_delay_s": st.lag_s if st is not None else None,
+                    "in_flight": getattr(wl, "active_requests", 0) if wl is not None else 0,
+                    "connected": connected.get(name),
+                    "events_endpoint": sub.events if sub is not None else None,
+                    "replay_endpoint": sub.replay if sub is not None else None,
+                }
+                out[name] = entry
+        return {"workers": out}
+
+    def health(self) -> dict[str, Any]:
+        """``GET /health``: cheap, lock-free liveness summary."""
+        return {
+            "status": "ok" if self._serving or self._loop is None else "stopping",
+            "uptime_s": round(time.monotonic() - self._started_s, 3),
+            "workers": len(self._roles),
+            "ingesting": self._loop is not None and self._loop.running,
+        }
+
+    # --- run-time membership -----------------------------------------------------------
+
+    def put_worker(self, spec: WorkerSpec, timeout_s: float = 10.0) -> tuple[bool, list[str]]:
+        """Add or replace a configured worker; returns (created, stream names).
+
+        Replacing a worker with a different spec drops its index entries (they
+        described the old streams). The same spec again is a no-op.
+        """
+        if self._loop is None or not self._loop.running:
+            raise ApiError(409, "the service is not ingesting (no run-time workers here)")
+        old = self._specs.get(spec.name)
+        if old == spec:
+            return False, [s.name for s in spec.subscribers()]
+        new_subs = list(spec.subscribers())
+        taken = {
+            ep: s.name
+            for s in self._subs.values()
+            if old is None or s.worker != spec.name
+            for ep in (s.events, s.replay)
+            if ep is not None
+        }
+        for sub in new_subs:
+            if sub.name in self._roles and (old is None or self._subs.get(sub.name, sub).worker != spec.name):
+                raise ApiError(409, f"worker name {sub.name!r} is already in use")
+            for ep in (sub.events, sub.replay):
+                if ep is not None and ep in taken:
+                    raise ApiError(409, f"endpoint {ep} is already used by worker {taken[ep]!r}")
+        if old is not None:
+            self.delete_worker(spec.name, timeout_s)
+        loop = self._loop
+        try:
+            loop.call(lambda: loop.open_streams(new_subs), timeout_s)
+        except (ConfigError, zmq.ZMQError, ValueError) as err:
+            raise ApiError(400, f"cannot subscribe to worker {spec.name!r}: {err}") from None
+        self._specs[spec.name] = spec
+        self._register(new_subs)
+        logger.info("worker %s added at run time (%d stream(s))", spec.name, len(new_subs))
+        return old is None, [s.name for s in new_subs]
+
+    def delete_worker(self, name: str, timeout_s: float = 10.0) -> list[str]:
+        """Unsubscribe and forget a worker (a configured name or one stream name)."""
+        spec = self._specs.get(name)
+        if spec is not None:
+            names = [s.name for s in spec.subscribers()]
+        elif name in self._roles or name in self._subs:
+            names = [name]
+        else:
+            raise ApiError(404, f"unknown worker {name!r}")
+        if self._loop is not None and self._loop.running:
+            loop = self._loop
+            loop.call(lambda: [loop.close_stream(n) for n in names], timeout_s)
+        with self._lock:
+            for n in names:
+                self.router.remove_worker(n)
+                self.ingestor.remove_worker(n)
+                self._roles.pop(n, None)
+                self._subs.pop(n, None)
+                self._replayed.pop(n, None)
+            self.metrics.workers.set(len(self._subs))
+        self._specs.pop(name, None)
+        logger.info("worker %s removed at run time", name)
+        return names
+
+    # --- metrics ---------------------------------------------------------------------
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    def _worker_samples(self) -> Iterator[WorkerSample]:
+        now = self._wall_clock()
+        with self._lock:
+            statuses = self.ingestor.statuses()
+            samples = [
+                WorkerSample(
+                    name=name,
+                    role=self._roles.get(name, "both"),
+                    state=st.state.value,
+                    batches_applied=st.batches_applied,
+                    events_applied=st.events_applied,
+                    events_rejected=st.events_rejected,
+                    resyncs=st.resyncs,
+                    restarts=st.restarts,
+                    replayed_batches=self._replayed.get(name, 0),
+                    gaps=st.resyncs + (1 if self._replayed.get(name) else 0),
+                    lag_s=(now - st.last_batch_ts) if st.last_batch_ts else None,
+                    blocks_by_tier=self.index.blocks_by_tier(name),
+                )
+                for name, st in statuses.items()
+            ]
+        return iter(samples)
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the index lock (tools that read the index directly)."""
+        with self._lock:
+            yield

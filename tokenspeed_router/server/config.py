@@ -1,0 +1,597 @@
+"""Configuration of the router process: one frozen object, validated at start.
+
+Three sources fill it, highest precedence first:
+
+1. command-line flags (``--worker``, ``--http``, ...),
+2. environment variables ``TOKENSPEED_ROUTER_<KEY>`` (e.g. ``TOKENSPEED_ROUTER_HTTP``,
+   ``TOKENSPEED_ROUTER_WORKERS="name=w0,events=tcp://...;name=w1,..."``),
+3. a TOML file (``--config router.toml`` or ``TOKENSPEED_ROUTER_CONFIG``).
+
+Every key has the same name in all three (``zmq_api`` = ``--zmq-api`` =
+``TOKENSPEED_ROUTER_ZMQ_API``). List-valued keys (``workers``) are taken whole
+from the highest source that sets them, never merged: merging worker lists
+from two places makes "which workers am I routing to?" a puzzle at 3 a.m.
+
+Why everything is validated here and not where it is used: a typo in an
+endpoint or a duplicate worker name must stop ``serve`` at start with a
+message naming the key, not surface minutes later as a silent, empty index.
+The library itself never reads the environment (STYLE §9): only
+:func:`load_server_config`, called by the CLI, does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import logging
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from tokenspeed_router.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+__all__ = [
+    "ENV_PREFIX",
+    "ROLES",
+    "ApiLimits",
+    "HostPort",
+    "Role",
+    "ServerConfig",
+    "SubscriberSpec",
+    "WorkerSpec",
+    "is_loopback_host",
+    "load_server_config",
+    "parse_endpoint",
+    "parse_host_port",
+]
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode", "both"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+ENV_PREFIX = "TOKENSPEED_ROUTER_"
+
+#: keys a worker spec accepts (``--worker k=v,...``, a ``[[workers]]`` table, PUT /workers body)
+WORKER_KEYS = ("name", "events", "replay", "role", "dp_ranks", "topic")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
+_TCP_RE = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/\[\]]+):(?P<port>\d+|\*)$")
+MAX_DP_RANKS = 1024
+
+
+# --------------------------------------------------------------------------- endpoints
+
+
+def parse_endpoint(value: object, *, what: str, allow_wildcard_port: bool = False) -> str:
+    """Validate a ZeroMQ endpoint (``tcp://host:port``, ``ipc://path``, ``inproc://name``).
+
+    Returns it unchanged; raises :class:`ConfigError` naming ``what``.
+    """
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{what}: expected a ZeroMQ endpoint string, got {value!r}")
+    if value.startswith(("ipc://", "inproc://")):
+        if len(value.split("://", 1)[1]) == 0:
+            raise ConfigError(f"{what}: {value!r} has an empty address")
+        return value
+    m = _TCP_RE.match(value)
+    if m is None:
+        raise ConfigError(
+            f"{what}: {value!r} is not a ZeroMQ endpoint "
+            "(expected tcp://HOST:PORT, ipc://PATH or inproc://NAME)"
+        )
+    port = m.group("port")
+    if port == "*":
+        if not allow_wildcard_port:
+            raise ConfigError(f"{what}: {value!r} needs an explicit port")
+        return value
+    if not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{what}: port {port} out of range in {value!r}")
+    return value
+
+
+def endpoint_with_port_offset(endpoint: str, offset: int) -> str:
+    """``tcp://h:5557`` + 2 -> ``tcp://h:5559`` (vLLM/TokenSpeed DP-rank convention, DESIGN §3)."""
+    if offset == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{offset}"
+    m = _TCP_RE.match(endpoint)
+    if m is None or m.group("port") == "*":
+        raise ConfigError(
+            f"endpoint {endpoint!r}: data-parallel ranks need tcp://HOST:PORT "
+            "(ranks publish on port + rank)"
+        )
+    port = int(m.group("port")) + offset
+    if port > 65535:
+        raise ConfigError(f"endpoint {endpoint!r} + rank {offset} exceeds port 65535")
+    return f"tcp://{m.group('host')}:{port}"
+
+
+@dataclass(frozen=True)
+class HostPort:
+    """A TCP listen address (port 0 lets the OS choose)."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def parse_host_port(value: object, *, what: str) -> HostPort:
+    """Parse ``HOST:PORT`` / ``[v6]:PORT`` / ``:PORT`` (-> 127.0.0.1)."""
+    if isinstance(value, HostPort):
+        return value
+    if not isinstance(value, str) or ":" not in value:
+        raise ConfigError(f"{what}: expected HOST:PORT, got {value!r}")
+    host, _, port_text = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    host = host or "127.0.0.1"
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"{what}: port {port_text!r} is not a number in {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{what}: port {port} out of range in {value!r}")
+    return HostPort(host, port)
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and ``localhost`` (what we bind unless told otherwise)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+# --------------------------------------------------------------------------- workers
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubscriberSpec:
+    """One event stream to subscribe to: a worker, or one DP rank of it.
+
+    ``name`` is the index identity (DESIGN §4): ``NAME`` for one rank,
+    ``NAME/dpR`` for rank R of a multi-rank worker.
+    """
+
+    name: str
+    worker: str
+    dp_rank: int
+    events: str
+    replay: str | None
+    topic: str
+    role: Role
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec:
+    """A configured worker: ``name=...,events=...,replay=...,role=...,dp_ranks=N,topic=...``."""
+
+    name: str
+    events: str
+    replay: str | None = None
+    role: Role = "both"
+    dp_ranks: int = 1
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise ConfigError(
+                f"worker name {self.name!r} is invalid: use letters, digits, '_', '-', '.', ':' "
+                "(1-128 chars, '/' is reserved for DP ranks)"
+            )
+        what = f"worker {self.name!r}"
+        parse_endpoint(self.events, what=f"{what} events")
+        if self.replay is not None:
+            parse_endpoint(self.replay, what=f"{what} replay")
+        if self.role not in ROLES:
+            raise ConfigError(f"{what}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if isinstance(self.dp_ranks, bool) or not isinstance(self.dp_ranks, int):
+            raise ConfigError(f"{what}: dp_ranks must be an integer, got {self.dp_ranks!r}")
+        if not 1 <= self.dp_ranks <= MAX_DP_RANKS:
+            raise ConfigError(f"{what}: dp_ranks must be in 1..{MAX_DP_RANKS}, got {self.dp_ranks}")
+        if not isinstance(self.topic, str):
+            raise ConfigError(f"{what}: topic must be a string, got {self.topic!r}")
+        if self.events == self.replay:
+            raise ConfigError(f"{what}: events and replay endpoints must differ ({self.events})")
+        self.subscribers()  # port offsets must be representable
+
+    @classmethod
+    def parse(cls, text: str) -> WorkerSpec:
+        """Parse the ``--worker`` flag form ``k=v,k=v``."""
+        if not isinstance(text, str) or not text.strip():
+            raise ConfigError("--worker: empty worker spec")
+        data: dict[str, Any] = {}
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep:
+                raise ConfigError(f"worker spec {text!r}: {part!r} is not key=value")
+            if key in data:
+                raise ConfigError(f"worker spec {text!r}: key {key!r} given twice")
+            data[key] = value.strip()
+        return cls.from_mapping(data, source=f"worker spec {text!r}")
+
+    @classmethod
+    def from_mapping(
+        cls, data: Mapping[str, Any], *, name: str | None = None, source: str = "worker"
+    ) -> WorkerSpec:
+        """Build from a mapping (TOML table, JSON body); strings are coerced for ``dp_ranks``."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: expected a table/object, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(WORKER_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown key(s) {', '.join(map(repr, unknown))} "
+                f"(known: {', '.join(WORKER_KEYS)})"
+            )
+        values = dict(data)
+        if name is not None:
+            if "name" in values and values["name"] != name:
+                raise ConfigError(f"{source}: name {values['name']!r} does not match {name!r}")
+            values["name"] = name
+        for required in ("name", "events"):
+            if values.get(required) in (None, ""):
+                raise ConfigError(f"{source}: missing required key {required!r}")
+        dp_ranks = values.get("dp_ranks", 1)
+        if isinstance(dp_ranks, str):
+            try:
+                dp_ranks = int(dp_ranks)
+            except ValueError:
+                raise ConfigError(f"{source}: dp_ranks must be an integer, got {dp_ranks!r}") from None
+        replay = values.get("replay") or None
+        return cls(
+            name=values["name"],
+            events=values["events"],
+            replay=replay,
+            role=values.get("role", "both") or "both",
+            dp_ranks=dp_ranks,
+            topic=values.get("topic", "") or "",
+        )
+
+    def subscribers(self) -> tuple[SubscriberSpec, ...]:
+        """One spec per DP rank, with the port offset applied to both endpoints."""
+        if self.dp_ranks == 1:
+            return (
+                SubscriberSpec(
+                    name=self.name, worker=self.name, dp_rank=0, events=self.events,
+                    replay=self.replay, topic=self.topic, role=self.role,
+                ),
+            )
+        return tuple(
+            SubscriberSpec(
+                name=f"{self.name}/dp{rank}",
+                worker=self.name,
+                dp_rank=rank,
+                events=endpoint_with_port_offset(self.events, rank),
+                replay=None if self.replay is None else endpoint_with_port_offset(self.replay, rank),
+                topic=self.topic,
+                role=self.role,
+            )
+            for rank in range(self.dp_ranks)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- service
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApiLimits:
+    """Bounds on what one API request may ask; beyond them the answer is 413/400."""
+
+    max_body_bytes: int = 8 << 20
+    max_tokens: int = 1 << 20
+    max_request_id_len: int = 256
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{f.name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """Everything ``serve`` needs; immutable once validated.
+
+    ``router_options`` are passed to :class:`tokenspeed_router.router.RouterConfig`
+    by keyword (with ``policy``), so routing knobs need no change here when the
+    router gains one. ``http=None`` disables the HTTP listener.
+    """
+
+    workers: tuple[WorkerSpec, ...] = ()
+    http: HostPort | None = HostPort("127.0.0.1", 8000)
+    zmq_api: str | None = None
+    auth_token: str | None = None
+    state: str | None = None
+    record: str | None = None
+    policy: str | None = None
+    router_options: Mapping[str, Any] = field(default_factory=dict)
+    limits: ApiLimits = field(default_factory=ApiLimits)
+    stale_after_s: float = 10.0
+    replay_timeout_s: float = 2.0
+    inflight_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        names: set[str] = set()
+        for spec in self.workers:
+            for sub in spec.subscribers():
+                if sub.name in names:
+                    raise ConfigError(f"duplicate worker name {sub.name!r}")
+                names.add(sub.name)
+        endpoints: dict[str, str] = {}
+        for spec in self.workers:
+            for sub in spec.subscribers():
+                for ep in (sub.events, sub.replay):
+                    if ep is None:
+                        continue
+                    other = endpoints.get(ep)
+                    if other is not None and other != sub.name:
+                        raise ConfigError(
+                            f"workers {other!r} and {sub.name!r} use the same endpoint {ep}"
+                        )
+                    endpoints[ep] = sub.name
+        if self.zmq_api is not None:
+            parse_endpoint(self.zmq_api, what="zmq_api")
+        if self.auth_token is not None and (not self.auth_token or self.auth_token != self.auth_token.strip()):
+            raise ConfigError("auth_token must be non-empty and have no surrounding whitespace")
+        for name in ("stale_after_s", "replay_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number, got {value!r}")
+
+    def subscribers(self) -> list[SubscriberSpec]:
+        return [sub for spec in self.workers for sub in spec.subscribers()]
+
+    def router_config(self) -> Any:
+        """Build the :class:`RouterConfig`; unknown knobs are a :class:`ConfigError`."""
+        from tokenspeed_router.router.router import RouterConfig
+
+        options = dict(self.router_options)
+        if self.policy is not None:
+            options["policy"] = self.policy
+        if self.inflight_timeout_s is not None:
+            options.setdefault("inflight_timeout_s", self.inflight_timeout_s)
+        try:
+            return RouterConfig(**options)
+        except (TypeError, ValueError) as err:
+            known = ""
+            if dataclasses.is_dataclass(RouterConfig):
+                known = f" (known: {', '.join(f.name for f in dataclasses.fields(RouterConfig))})"
+            raise ConfigError(f"router options {options!r}: {err}{known}") from err
+
+
+# --------------------------------------------------------------------------- loading
+
+#: key -> parser(value, source) for scalar keys; also the list of known keys.
+_SCALAR_KEYS = (
+    "http",
+    "zmq_api",
+    "auth_token",
+    "auth_token_file",
+    "state",
+    "record",
+    "policy",
+    "stale_after_s",
+    "replay_timeout_s",
+    "inflight_timeout_s",
+    "max_body_bytes",
+    "max_tokens",
+)
+_LIST_KEYS = ("workers",)
+_TABLE_KEYS = ("router",)
+KNOWN_KEYS = _SCALAR_KEYS + _LIST_KEYS + _TABLE_KEYS
+#: environment variables read by other parts of the CLI, not by ServerConfig
+_FOREIGN_ENV = {"LOG_LEVEL", "CONFIG"}
+
+
+def _parse_float(value: Any, what: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a number, got {value!r}")
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}: expected a number, got {value!r}") from None
+    if not out > 0 or out == float("inf"):
+        raise ConfigError(f"{what}: must be a positive finite number, got {value!r}")
+    return out
+
+
+def _parse_int(value: Any, what: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected an integer, got {value!r}")
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}: expected an integer, got {value!r}") from None
+    if out <= 0:
+        raise ConfigError(f"{what}: must be positive, got {value!r}")
+    return out
+
+
+def _parse_option_value(text: str) -> Any:
+    """Router option values from flags/env: JSON when it parses (numbers, bools), else text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_router_options(items: Any, what: str) -> dict[str, Any]:
+    """``["k=v", ...]`` or ``"k=v;k=v"`` or a mapping -> dict."""
+    if isinstance(items, Mapping):
+        return dict(items)
+    if isinstance(items, str):
+        items = [p for p in items.split(";") if p.strip()]
+    out: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, value = str(item).partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{what}: {item!r} is not KEY=VALUE")
+        out[key.strip()] = _parse_option_value(value.strip())
+    return out
+
+
+def _parse_workers(value: Any, what: str) -> tuple[WorkerSpec, ...]:
+    if isinstance(value, str):  # env: semicolon-separated specs
+        return tuple(WorkerSpec.parse(p) for p in value.split(";") if p.strip())
+    if isinstance(value, Mapping):  # TOML [workers.NAME] tables
+        return tuple(
+            WorkerSpec.from_mapping(v, name=k, source=f"{what} [workers.{k}]") for k, v in value.items()
+        )
+    if isinstance(value, (list, tuple)):
+        out = []
+        for i, item in enumerate(value):
+            if isinstance(item, WorkerSpec):
+                out.append(item)
+            elif isinstance(item, str):
+                out.append(WorkerSpec.parse(item))
+            else:
+                out.append(WorkerSpec.from_mapping(item, source=f"{what} workers[{i}]"))
+        return tuple(out)
+    raise ConfigError(f"{what}: workers must be a list of worker specs, got {type(value).__name__}")
+
+
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} not found") from None
+    except OSError as err:
+        raise ConfigError(f"config file {str(path)!r}: {err}") from err
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from err
+    unknown = sorted(set(data) - set(KNOWN_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"config file {str(path)!r}: unknown key(s) {', '.join(map(repr, unknown))} "
+            f"(known: {', '.join(KNOWN_KEYS)})"
+        )
+    return data
+
+
+def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for var, value in env.items():
+        if not var.startswith(ENV_PREFIX):
+            continue
+        key = var[len(ENV_PREFIX):].lower()
+        if key.upper() in _FOREIGN_ENV:
+            continue
+        if key == "router_options":
+            out["router"] = value
+        elif key in KNOWN_KEYS and key != "router":
+            out[key] = value
+        else:
+            # Not fatal: other parts of the CLI may own TOKENSPEED_ROUTER_* names.
+            logger.warning("ignoring unknown environment variable %s", var)
+    return out
+
+
+def load_server_config(
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | Path | None = None,
+) -> ServerConfig:
+    """Merge flags > env > file into a validated :class:`ServerConfig`.
+
+    ``flags`` holds only the values actually given (None means "not given").
+    ``config_file`` defaults to ``env["TOKENSPEED_ROUTER_CONFIG"]``.
+    """
+    flags = {k: v for k, v in (flags or {}).items() if v is not None and v != [] and v != ()}
+    env = env or {}
+    if config_file is None:
+        config_file = env.get(ENV_PREFIX + "CONFIG") or None
+    layers: list[tuple[str, Mapping[str, Any]]] = [
+        ("flag", flags),
+        ("environment", _read_env(env)),
+    ]
+    if config_file is not None:
+        layers.append((f"config file {str(config_file)!r}", _read_toml(config_file)))
+
+    def pick(key: str) -> tuple[Any, str] | None:
+        for source, layer in layers:
+            if key in layer:
+                return layer[key], source
+        return None
+
+    kwargs: dict[str, Any] = {}
+    if (got := pick("workers")) is not None:
+        kwargs["workers"] = _parse_workers(got[0], got[1])
+    if (got := pick("http")) is not None:
+        value, source = got
+        if isinstance(value, str) and value.strip().lower() in ("", "none", "off"):
+            kwargs["http"] = None
+        else:
+            kwargs["http"] = parse_host_port(value, what=f"http ({source})")
+    for key in ("zmq_api", "state", "record"):
+        if (got := pick(key)) is not None:
+            if not isinstance(got[0], str):
+                raise ConfigError(f"{key} ({got[1]}): expected a string, got {got[0]!r}")
+            kwargs[key] = got[0] or None
+    if kwargs.get("zmq_api") is not None:
+        parse_endpoint(kwargs["zmq_api"], what="zmq_api")
+    token_got = pick("auth_token")
+    file_got = pick("auth_token_file")
+    if token_got is not None and (
+        file_got is None or layers_index(layers, token_got[1]) <= layers_index(layers, file_got[1])
+    ):
+        kwargs["auth_token"] = str(token_got[0]) or None
+    elif file_got is not None:
+        try:
+            kwargs["auth_token"] = Path(str(file_got[0])).read_text().strip() or None
+        except OSError as err:
+            raise ConfigError(f"auth_token_file ({file_got[1]}): {err}") from err
+    for key in ("stale_after_s", "replay_timeout_s", "inflight_timeout_s"):
+        if (got := pick(key)) is not None:
+            kwargs[key] = _parse_float(got[0], f"{key} ({got[1]})")
+    limits: dict[str, int] = {}
+    for key in ("max_body_bytes", "max_tokens"):
+        if (got := pick(key)) is not None:
+            limits[key] = _parse_int(got[0], f"{key} ({got[1]})")
+    if limits:
+        kwargs["limits"] = ApiLimits(**limits)
+    # Router knobs merge key by key (unlike workers): a flag overriding one knob
+    # should not reset the others set in the file. ``policy`` may be given at
+    # top level or inside the router table; the highest layer wins.
+    tables = [
+        (source, parse_router_options(layer["router"], f"router ({source})") if "router" in layer else {})
+        for source, layer in layers
+    ]
+    for (source, layer), (_, table) in zip(layers, tables, strict=True):
+        policy = layer.get("policy", table.get("policy"))
+        if policy is not None:
+            if not isinstance(policy, str) or not policy:
+                raise ConfigError(f"policy ({source}): expected a policy name, got {policy!r}")
+            kwargs["policy"] = policy
+            break
+    options: dict[str, Any] = {}
+    for _, table in reversed(tables):
+        options.update({k: v for k, v in table.items() if k != "policy"})
+    kwargs["router_options"] = options
+    return ServerConfig(**kwargs)
+
+
+def layers_index(layers: list[tuple[str, Mapping[str, Any]]], source: str) -> int:
+    """Precedence rank of a source name (0 = highest)."""
+    return next(i for i, (name, _) in enumerate(layers) if name == source)

@@ -1,0 +1,324 @@
+"""The ingestion thread: owns every subscriber socket and feeds the ingest sink.
+
+Why a dedicated thread and not the HTTP event loop: a subscriber that detects
+a gap asks the publisher for a replay with a blocking DEALER round trip (up to
+``replay_timeout_s``); on the query loop that would stall every request. Here
+it only delays that worker's own events.
+
+The thread is the *only* user of the subscriber sockets (ZeroMQ sockets are
+not thread safe), so adding and removing workers at run time goes through a
+command queue that this thread drains between polls; callers wait on a
+:class:`concurrent.futures.Future`.
+
+Staleness without heartbeats (engines send none, and an idle cache publishes
+nothing): a ZeroMQ socket monitor on each SUB socket reports when the TCP
+connection to the publisher drops and when it comes back. A stream that has
+been *disconnected* for ``stale_after_s`` (or never connected since it was
+added) is reported to the service as stale; an idle but connected worker
+stays live. ``inproc://`` streams have no connection events and never go
+stale this way.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from tokenspeed_router.events.subscriber import EventSubscriber, SubscriberItem
+from tokenspeed_router.server.config import SubscriberSpec
+
+__all__ = ["IngestLoop", "StreamState"]
+
+logger = logging.getLogger(__name__)
+
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+_POLL_MS = 20
+_STALE_CHECK_S = 0.05
+
+
+@dataclass
+class StreamState:
+    """One subscribed stream (a worker, or one DP rank of it) as the loop sees it."""
+
+    spec: SubscriberSpec
+    subscriber: EventSubscriber
+    monitor: zmq.Socket[bytes] | None
+    connected: bool = False
+    down_since_s: float = field(default_factory=time.monotonic)
+    reported_stale: bool = False
+
+
+class IngestLoop:
+    """Polls all subscribers and hands every item to ``submit`` (in delivery order).
+
+    ``on_stale(name)`` is called (from this thread) when a stream's endpoint has
+    been gone for ``stale_after_s``. ``on_error`` counts items ``submit`` failed on.
+    """
+
+    def __init__(
+        self,
+        *,
+        context: zmq.Context[Any],
+        submit: Callable[[SubscriberItem], None],
+        on_stale: Callable[[str], None],
+        on_error: Callable[[], None],
+        stale_after_s: float,
+        replay_timeout_s: float,
+        max_payload_bytes: int = 64 << 20,
+    ) -> None:
+        self._ctx = context
+        self._submit = submit
+        self._on_stale = on_stale
+        self._on_error = on_error
+        self._stale_after_s = stale_after_s
+        self._replay_timeout_s = replay_timeout_s
+        self._max_payload_bytes = max_payload_bytes
+        self._streams: dict[str, StreamState] = {}
+        self._by_socket: dict[Any, StreamState] = {}
+        self._by_monitor: dict[Any, StreamState] = {}
+        self._poller = zmq.Poller()
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_error_log = 0.0
+        self._connected_snapshot: dict[str, bool] = {}
+
+    # --- lifecycle (any thread) ---------------------------------------------------
+
+    def start(self, initial: list[SubscriberSpec], timeout_s: float = 10.0) -> None:
+        """Start the thread and open the initial streams (errors raise here)."""
+        self._thread = threading.Thread(target=self._run, name="tokenspeed-ingest", daemon=True)
+        self._thread.start()
+        self.call(lambda: self._open_all(initial), timeout_s)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop polling and close every subscriber; returns when the thread has exited."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.error("ingestion thread did not stop within %.1fs", timeout_s)
+            self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def call(self, fn: Callable[[], Any], timeout_s: float = 10.0) -> Any:
+        """Run ``fn`` on the ingestion thread (between polls) and return its result."""
+        if not self.running:
+            raise RuntimeError("ingestion loop is not running")
+        fut: Future[Any] = Future()
+        self._commands.put((fn, fut))
+        return fut.result(timeout_s)
+
+    # --- stream management (ingestion thread only) ----------------------------------
+
+    def open_streams(self, specs: list[SubscriberSpec]) -> None:
+        """Subscribe to each spec; on failure close the ones opened by this call."""
+        opened: list[str] = []
+        try:
+            for spec in specs:
+                self._open(spec)
+                opened.append(spec.name)
+        except BaseException:
+            for name in opened:
+                self.close_stream(name)
+            raise
+
+    def close_stream(self, name: str) -> bool:
+        state = self._streams.pop(name, None)
+        if state is None:
+            return False
+        sock = state.subscriber.socket
+        self._poller.unregister(sock)
+        self._by_socket.pop(sock, None)
+        if state.monitor is not None:
+            self._poller.unregister(state.monitor)
+            self._by_monitor.pop(state.monitor, None)
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            state.monitor.close(linger=0)
+        state.subscriber.close()
+        self._connected_snapshot.pop(name, None)
+        logger.info("worker=%s unsubscribed", name)
+        return True
+
+    def stream_names(self) -> list[str]:
+        return list(self._streams)
+
+    def connected(self) -> dict[str, bool]:
+        """Connection state per stream (a copy, safe to read from any thread)."""
+        return dict(self._connected_snapshot)
+
+    def _open_all(self, specs: list[SubscriberSpec]) -> None:
+        self.open_streams(specs)
+
+    def _open(self, spec: SubscriberSpec) -> None:
+        sub = EventSubscriber(
+            spec.name,
+            spec.events,
+            replay_endpoint=spec.replay,
+            topic=spec.topic,
+            context=self._ctx,
+            replay_timeout_s=self._replay_timeout_s,
+            max_payload_bytes=self._max_payload_bytes,
+        )
+        monitor: zmq.Socket[bytes] | None = None
+        if not spec.events.startswith("inproc://"):
+            monitor = sub.socket.get_monitor_socket(_MONITOR_EVENTS)
+        state = StreamState(spec=spec, subscriber=sub, monitor=monitor, connected=monitor is None)
+        self._streams[spec.name] = state
+        self._by_socket[sub.socket] = state
+        self._poller.register(sub.socket, zmq.POLLIN)
+        if monitor is not None:
+            self._by_monitor[monitor] = state
+            self._poller.register(monitor, zmq.POLLIN)
+        self._connected_snapshot[spec.name] = state.connected
+        logger.info("worker=%s subscribed events=%s replay=%s", spec.name, spec.events, spec.replay)
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_stale_check = 0.0
+        try:
+            while not self._stop.is_set():
+                self._run_commands()
+                self._poll_once()
+                now = time.monotonic()
+                if now >= next_stale_check:
+                    next_stale_check = now + _STALE_CHECK_S
+                    self._check_stale(now)
+        except Exception:
+            logger.exception("ingestion loop crashed")
+        finally:
+            self._run_commands()
+            for name in list(self._streams):
+                try:
+                    self.close_stream(name)
+                except Exception:  # closing is best effort at shutdown
+                    logger.exception("worker=%s close failed", name)
+
+    def _poll_once(self) -> None:
+        # Streams in the middle of a replay also wait on their DEALER socket and
+        # on the replay deadline: register those for this poll only.
+        timeout_ms = float(_POLL_MS)
+        busy: list[StreamState] = []
+        extra: list[Any] = []
+        for stream in self._streams.values():
+            hint = stream.subscriber.timeout_hint_s()
+            if hint is None:
+                continue
+            busy.append(stream)
+            timeout_ms = min(timeout_ms, hint * 1000.0)
+            for sock in stream.subscriber.poll_sockets():
+                if sock not in self._by_socket:
+                    extra.append((sock, stream))
+                    self._poller.register(sock, zmq.POLLIN)
+        try:
+            ready = self._poller.poll(max(0, int(timeout_ms)))
+        finally:
+            for sock, _ in extra:
+                self._poller.unregister(sock)
+        drained: set[str] = set()
+        extra_map = {id(sock): stream for sock, stream in extra}
+        for sock, _ in ready:
+            target = self._by_socket.get(sock) or extra_map.get(id(sock))
+            if target is not None:
+                if target.spec.name not in drained:
+                    drained.add(target.spec.name)
+                    self._drain(target)
+                continue
+            mon = self._by_monitor.get(sock)
+            if mon is not None:
+                self._monitor_events(mon)
+        for stream in busy:
+            if stream.spec.name not in drained and stream.subscriber.needs_processing():
+                self._drain(stream)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as err:
+                fut.set_exception(err)
+
+    def _drain(self, stream: StreamState) -> None:
+        try:
+            items = stream.subscriber.process_ready()
+        except Exception:
+            self._error(f"worker={stream.spec.name} receive failed")
+            return
+        if items and not stream.connected:
+            self._set_connected(stream, True)
+        for item in items:
+            try:
+                self._submit(item)
+            except Exception:
+                self._error(f"worker={item.worker} submit failed")
+
+    def _error(self, what: str) -> None:
+        self._on_error()
+        now = time.monotonic()
+        if now - self._last_error_log >= 5.0:  # rate limited: one traceback per 5 s
+            self._last_error_log = now
+            logger.exception("%s", what)
+
+    def _monitor_events(self, stream: StreamState) -> None:
+        assert stream.monitor is not None
+        while True:
+            try:
+                msg = recv_monitor_message(stream.monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            event = msg.get("event")
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                self._set_connected(stream, True)
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._set_connected(stream, False)
+
+    def _set_connected(self, stream: StreamState, connected: bool) -> None:
+        if stream.connected == connected:
+            return
+        stream.connected = connected
+        self._connected_snapshot[stream.spec.name] = connected
+        if connected:
+            stream.reported_stale = False
+            logger.info("worker=%s connected to %s", stream.spec.name, stream.spec.events)
+        else:
+            stream.down_since_s = time.monotonic()
+            logger.warning("worker=%s lost its connection to %s", stream.spec.name, stream.spec.events)
+
+    def _check_stale(self, now: float) -> None:
+        for stream in self._streams.values():
+            if stream.connected or stream.reported_stale:
+                continue
+            if now - stream.down_since_s >= self._stale_after_s:
+                stream.reported_stale = True
+                logger.warning(
+                    "worker=%s stale: endpoint %s unreachable for %.1fs",
+                    stream.spec.name, stream.spec.events, now - stream.down_since_s,
+                )
+                try:
+                    self._on_stale(stream.spec.name)
+                except Exception:
+                    self._error(f"worker={stream.spec.name} mark stale failed")

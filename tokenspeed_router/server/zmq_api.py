@@ -1,0 +1,188 @@
+"""The ZeroMQ query API: the HTTP operations over one ROUTER socket, msgpack-encoded.
+
+For callers on the request path that cannot afford HTTP parsing: a request is
+one msgpack map ``{"op": "match"|"route"|"release"|"workers"|"health", "id": ..,
+"auth": .., ...}`` with the same fields as the HTTP body; the reply is
+``{"id": <echoed>, "status": 200, "result": {...}}`` or
+``{"id": .., "status": 4xx, "error": "..."}``. ``id`` lets a DEALER client
+pipeline requests and drop late answers. REQ clients work too (the empty
+delimiter frame is mirrored back).
+
+A dedicated thread serves the socket: it drains every ready request before
+polling again, so a burst costs one poll, and it shares nothing with the
+HTTP loop but the service (whose lock makes the queries safe). Frames larger
+than ``max_body_bytes`` make libzmq drop that peer's connection
+(``ZMQ_MAXMSGSIZE``): a hostile client cannot make the router buffer them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import msgspec
+import zmq
+
+from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.server.api import (
+    ApiError,
+    ZmqHealth,
+    ZmqMatch,
+    ZmqRelease,
+    ZmqRequest,
+    ZmqRoute,
+    ZmqWorkers,
+    check_bearer,
+    request_id_text,
+    validate_request,
+)
+from tokenspeed_router.server.app import RouterService
+from tokenspeed_router.server.config import is_loopback_host
+
+__all__ = ["ZmqApiServer"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 50
+_MAX_BURST = 256
+
+
+class ZmqApiServer:
+    """Serves ``service`` on a bound ROUTER socket from its own thread."""
+
+    def __init__(self, service: RouterService, endpoint: str, *, context: zmq.Context[Any] | None = None) -> None:
+        self._service = service
+        self._limits = service.config.limits
+        token = service.config.auth_token
+        self._expected = token.encode() if token else None
+        self._ctx = context if context is not None else service.context
+        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_body_bytes)
+        self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as err:
+            self._sock.close()
+            raise ConfigError(f"cannot bind the ZMQ API on {endpoint}: {err}") from err
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        host = endpoint.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+        if endpoint.startswith("tcp://") and not is_loopback_host(host):
+            logger.log(
+                logging.INFO if self._expected else logging.WARNING,
+                "ZMQ API listening on non-loopback %s (auth %s)",
+                endpoint, "on" if self._expected else "OFF",
+            )
+        self._decoder = msgspec.msgpack.Decoder(ZmqRequest)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._any: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.requests = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tokenspeed-zmq-api", daemon=True)
+        self._thread.start()
+        logger.info("ZMQ API on %s", self.endpoint)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        else:
+            self._sock.close(linger=0)
+
+    def _run(self) -> None:
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(_POLL_MS):
+                    continue
+                for _ in range(_MAX_BURST):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    reply = self._handle_frames(frames)
+                    if reply is not None:
+                        try:
+                            sock.send_multipart(reply, zmq.NOBLOCK)
+                        except zmq.Again:
+                            logger.debug("ZMQ API reply dropped: peer not reading")
+        except zmq.ZMQError as err:
+            if err.errno != zmq.ETERM:
+                logger.exception("ZMQ API loop failed")
+        except Exception:
+            logger.exception("ZMQ API loop crashed")
+        finally:
+            sock.close(linger=0)
+
+    def _handle_frames(self, frames: list[bytes]) -> list[bytes] | None:
+        self.requests += 1
+        if len(frames) < 2:
+            return None  # no identity: nowhere to answer
+        envelope = frames[:-1]
+        if len(frames) > 3 or (len(frames) == 3 and frames[1] != b""):
+            return [frames[0], self._error_reply(None, 400, f"expected 1 payload frame, got {len(frames) - 1}")]
+        return [*envelope, self.handle(frames[-1])]
+
+    def handle(self, payload: bytes) -> bytes:
+        """Answer one request payload (exposed for tests; never raises)."""
+        req_id: Any = None
+        try:
+            try:
+                req = self._decoder.decode(payload)
+            except msgspec.ValidationError as err:
+                req_id = self._salvage_id(payload)
+                raise ApiError(400, f"invalid request: {err}") from None
+            except msgspec.DecodeError as err:
+                raise ApiError(400, f"malformed msgpack: {err}") from None
+            req_id = req.id
+            if not isinstance(req, ZmqHealth):  # health stays open, as over HTTP
+                check_bearer(req.auth, self._expected, header=False)
+            result = self._dispatch(req)
+        except ApiError as err:
+            self._service.metrics.api_errors.labels("zmq", str(err.status)).inc()
+            return self._error_reply(req_id, err.status, err.message)
+        except Exception:
+            logger.exception("unhandled error in the ZMQ API")
+            self._service.metrics.api_errors.labels("zmq", "500").inc()
+            return self._error_reply(req_id, 500, "internal error (logged by the router)")
+        return self._encoder.encode({"id": req_id, "status": 200, "result": result})
+
+    def _salvage_id(self, payload: bytes) -> Any:
+        """The ``id`` of a request that failed validation, so the client can match the error."""
+        try:
+            raw = self._any.decode(payload)
+        except msgspec.DecodeError:
+            return None
+        ident = raw.get("id") if isinstance(raw, dict) else None
+        return ident if isinstance(ident, (int, str)) and not isinstance(ident, bool) else None
+
+    def _dispatch(self, req: Any) -> Any:
+        service = self._service
+        if isinstance(req, ZmqRoute):
+            validate_request(req, self._limits)
+            rid = request_id_text(req.request_id, self._limits)
+            return service.route(req.token_ids, request_id=rid, lora_id=req.lora_id, salt=req.salt)
+        if isinstance(req, ZmqMatch):
+            validate_request(req, self._limits)
+            return service.match(req.token_ids, lora_id=req.lora_id, salt=req.salt)
+        if isinstance(req, ZmqRelease):
+            rid = request_id_text(req.request_id, self._limits)
+            assert rid is not None
+            service.release(rid)
+            return {}
+        if isinstance(req, ZmqWorkers):
+            return service.workers()
+        if isinstance(req, ZmqHealth):
+            return service.health()
+        raise ApiError(400, f"unsupported op {type(req).__name__}")
+
+    def _error_reply(self, req_id: Any, status: int, message: str) -> bytes:
+        return self._encoder.encode({"id": req_id, "status": status, "error": message})

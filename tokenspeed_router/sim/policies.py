@@ -1,0 +1,201 @@
+"""Routing backends the simulator drives: the real Router, and the oracle.
+
+* :class:`RouterBackend` wraps the project's real :class:`Router` over a real
+  :class:`KvIndex`, fed through the real :class:`IndexIngestor` (so sequence
+  gaps from lost events take the same resync path as in production). Its
+  clock is the simulator's virtual clock. One backend per policy name:
+  ``kv_aware`` (default), ``random``, ``round_robin``, ``least_loaded``,
+  ``approx``.
+* :class:`OracleBackend` reads every worker's true cache and queue at
+  decision time (zero event delay) and picks the minimum estimated TTFT under
+  the simulator's own cost model. It bounds what any router could do with
+  perfect information and the same greedy objective.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import numpy as np
+
+from tokenspeed_router.events.schema import Event, KVEventBatch
+from tokenspeed_router.sim.cluster import ClusterConfig, RouteChoice, SimWorker, WorkerView
+from tokenspeed_router.sim.traces import TraceRequest
+
+__all__ = ["ROUTER_POLICIES", "OracleBackend", "RouterBackend", "make_backend"]
+
+logger = logging.getLogger(__name__)
+
+#: Policies implemented by the real Router; "oracle" is the simulator's own.
+ROUTER_POLICIES = ("random", "round_robin", "least_loaded", "approx", "kv_aware")
+
+
+class RouterBackend:
+    """The real router, in process, on the virtual clock."""
+
+    def __init__(
+        self,
+        policy: str,
+        cluster: ClusterConfig,
+        view: WorkerView,
+        *,
+        router_options: dict[str, Any] | None = None,
+        signal_prefill_done: bool = True,
+    ) -> None:
+        from tokenspeed_router.router.ingest import IndexIngestor, WorkerState
+        from tokenspeed_router.router.router import Router, RouterConfig
+
+        self.name = policy
+        self.needs_events = policy == "kv_aware"
+        self._signal_prefill_done = signal_prefill_done
+        options = dict(router_options or {})
+        options.setdefault("seed", cluster.seed)
+        config = RouterConfig(policy=policy, **options)
+        index = None
+        if self.needs_events:
+            from tokenspeed_router.router.index import KvIndex
+
+            index = KvIndex()
+        self._router = router = Router(index, config, clock=view.now)
+        role = "prefill" if cluster.disaggregated else "both"
+        for name in cluster.worker_names():
+            router.add_worker(name, role=role)
+        for name in cluster.decode_names():
+            router.add_worker(name, role="decode")
+        self._ingestor = None
+        if index is not None:
+            # Wired to the router the way the server wires it.
+            self._ingestor = IndexIngestor(
+                index,
+                clock=view.now,
+                on_state_change=lambda w, state: router.set_cold(w, state is not WorkerState.LIVE),
+            )
+            for name in (*cluster.worker_names(), *cluster.decode_names()):
+                self._ingestor.add_worker(name)
+
+    @property
+    def router(self) -> Any:
+        return self._router
+
+    def route(self, request: TraceRequest, tokens: np.ndarray) -> RouteChoice:
+        decision = self._router.route(tokens, request_id=request.request_id)
+        predicted = decision.matched_tokens if self.name in ("kv_aware", "approx") else None
+        return RouteChoice(worker=decision.worker, decode_worker=decision.decode_worker,
+                           predicted_hit_tokens=predicted)
+
+    def deliver(self, worker: str, seq: int, events: list[Event], now: float) -> None:
+        if self._ingestor is not None:
+            self._ingestor.on_record(worker, seq, KVEventBatch(ts=now, events=events), now)
+
+    def prefill_done(self, request_id: str, now: float) -> None:
+        # A streaming gateway sees the first token: the prefill is no longer queued.
+        if self._signal_prefill_done:
+            self._router.mark_prefill_done(request_id)
+
+    def finished(self, request_id: str, now: float) -> None:
+        self._router.release(request_id)
+
+
+class OracleBackend:
+    """Minimum estimated TTFT with exact, instantaneous cache knowledge."""
+
+    needs_events = False
+
+    def __init__(self, cluster: ClusterConfig, view: WorkerView, *, rng: random.Random) -> None:
+        self.name = "oracle"
+        self._cost = cluster.cost
+        self._view = view
+        self._rng = rng
+
+    def route(self, request: TraceRequest, tokens: np.ndarray) -> RouteChoice:
+        now = self._view.now()
+        best: list[tuple[SimWorker, int]] = []
+        best_cost = float("inf")
+        pages = _Pages(tokens)
+        for w in self._view.prefill_workers():
+            hit = probe_hit_tokens(w.cache, pages.get(w.cache.page_size))
+            est = w.backlog_s(now) + self._cost.prefill_s(request.input_length - hit)
+            if est < best_cost - 1e-12:
+                best, best_cost = [(w, hit)], est
+            elif est <= best_cost + 1e-12:
+                best.append((w, hit))
+        worker, hit = best[0] if len(best) == 1 else self._rng.choice(best)
+        decode = None
+        decoders = self._view.decode_workers()
+        if decoders:
+            d_hits = [(probe_hit_tokens(d.cache, pages.get(d.cache.page_size)), -d.num_requests, d.name)
+                      for d in decoders]
+            decode = max(d_hits)[2]
+        return RouteChoice(worker=worker.name, decode_worker=decode, predicted_hit_tokens=hit)
+
+    def deliver(self, worker: str, seq: int, events: list[Event], now: float) -> None:
+        return None
+
+    def prefill_done(self, request_id: str, now: float) -> None:
+        return None
+
+    def finished(self, request_id: str, now: float) -> None:
+        return None
+
+
+class _Pages:
+    """A prompt cut into page tuples once per page size (shared by all probes)."""
+
+    def __init__(self, tokens: np.ndarray) -> None:
+        self._tokens = tokens.tolist()
+        self._by_size: dict[int, list[tuple[int, ...]]] = {}
+
+    def get(self, page_size: int) -> list[tuple[int, ...]]:
+        got = self._by_size.get(page_size)
+        if got is None:
+            from tokenspeed_router.cache.tree import paginate
+
+            got = self._by_size[page_size] = paginate(self._tokens, page_size)
+        return got
+
+
+def probe_hit_tokens(cache: Any, tokens: Any) -> int:
+    """Cached prefix length of ``tokens`` in a worker cache, without side effects.
+
+    ``PrefixCache.match_prefix`` touches access times and splits nodes, which
+    would refresh LRU state on every worker the oracle merely looks at; this
+    walks the radix tree read-only instead (full pages only, like a match).
+    ``tokens`` may be token ids or a list of page tuples.
+    """
+    from tokenspeed_router.cache.tree import key_match, paginate
+
+    pages = paginate(tokens, cache.page_size)
+    node = cache.root_node
+    i = 0
+    while i < len(pages):
+        child = node.children.get(pages[i])
+        if child is None or child.value is None:
+            break
+        n = key_match(child.key, pages, i)
+        i += n
+        if n < len(child.key):
+            break
+        node = child
+    return i * int(cache.page_size)
+
+
+def make_backend(
+    policy: str,
+    cluster: ClusterConfig,
+    view: WorkerView,
+    *,
+    router_options: dict[str, Any] | None = None,
+    signal_prefill_done: bool = True,
+) -> RouterBackend | OracleBackend:
+    """Build the backend for ``policy`` (a Router policy name or ``oracle``).
+
+    ``signal_prefill_done`` false models a gateway that only calls
+    ``release`` at the end (the HTTP API's behaviour): queued prefill then
+    counts as load until the request finishes decoding.
+    """
+    if policy == "oracle":
+        return OracleBackend(cluster, view, rng=random.Random(cluster.seed))
+    return RouterBackend(policy, cluster, view, router_options=router_options,
+                         signal_prefill_done=signal_prefill_done)

@@ -1,0 +1,140 @@
+"""Run several policies on one request list and collect their results.
+
+Shared by ``simulate`` (fast mode, all policies) and ``demo`` (the baselines
+in fast mode beside the live run). Each policy gets a fresh
+:class:`Simulator`, so caches start cold for everyone and runs are
+independent and deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from typing import Any, TextIO
+
+from tokenspeed_router.sim.cluster import ClusterConfig, RunResult, Simulator
+from tokenspeed_router.sim.policies import make_backend
+from tokenspeed_router.sim.report import policy_metrics
+from tokenspeed_router.sim.traces import TokenSynthesizer, TraceRequest
+
+__all__ = ["ProgressBar", "run_policies", "run_policy", "sweep"]
+
+
+class ProgressBar:
+    """A one-line progress bar on a text stream (stderr), throttled.
+
+    ``clock`` is injected so that it can be driven in tests; drawing happens
+    at most every ``every_s`` seconds and once at the end.
+    """
+
+    def __init__(self, stream: TextIO | None = None, *, width: int = 30, every_s: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._stream = stream if stream is not None else sys.stderr
+        self._width = width
+        self._every_s = every_s
+        self._clock = clock
+        self._label = ""
+        self._start = clock()
+        self._last = -1e9
+
+    def start(self, label: str) -> None:
+        self._label = label
+        self._start = self._clock()
+        self._last = -1e9
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self._clock()
+        if done < total and now - self._last < self._every_s:
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        fill = int(frac * self._width)
+        bar = "#" * fill + "-" * (self._width - fill)
+        self._stream.write(
+            f"\r{self._label:<14}[{bar}] {frac:6.1%} {done}/{total} {now - self._start:6.1f}s"
+        )
+        if done >= total:
+            self._stream.write("\n")
+        self._stream.flush()
+
+
+def run_policy(
+    policy: str,
+    requests: Sequence[TraceRequest],
+    cluster: ClusterConfig,
+    *,
+    router_options: dict[str, Any] | None = None,
+    signal_prefill_done: bool = True,
+    synthesizer: TokenSynthesizer | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> RunResult:
+    """One fast-mode run of ``policy`` on fresh workers."""
+    sim = Simulator(cluster, synthesizer=synthesizer)
+    backend = make_backend(policy, cluster, sim, router_options=router_options,
+                           signal_prefill_done=signal_prefill_done)
+    started = clock()
+    result = sim.run(requests, backend, progress=progress)
+    result.wall_s = clock() - started
+    return result
+
+
+def run_policies(
+    policies: Iterable[str],
+    requests: Sequence[TraceRequest],
+    cluster: ClusterConfig,
+    *,
+    router_options: dict[str, Any] | None = None,
+    signal_prefill_done: bool = True,
+    progress: ProgressBar | None = None,
+) -> dict[str, RunResult]:
+    """Run each policy in turn; one token synthesizer is shared (it is pure)."""
+    synth = TokenSynthesizer(key=cluster.token_key)
+    out: dict[str, RunResult] = {}
+    for policy in policies:
+        if progress is not None:
+            progress.start(policy)
+        out[policy] = run_policy(policy, requests, cluster, router_options=router_options,
+                                 signal_prefill_done=signal_prefill_done,
+                                 synthesizer=synth, progress=progress)
+    return out
+
+
+def sweep(
+    name: str,
+    values: Sequence[float],
+    requests: Sequence[TraceRequest],
+    cluster: ClusterConfig,
+    *,
+    policy: str = "kv_aware",
+    router_options: dict[str, Any] | None = None,
+    signal_prefill_done: bool = True,
+    progress: ProgressBar | None = None,
+) -> list[dict[str, Any]]:
+    """Re-run ``policy`` with one cluster field varied (event delay or loss).
+
+    ``name`` is ``event_delay_s`` or ``event_loss_rate``; returns one row of
+    headline metrics per value.
+    """
+    rows: list[dict[str, Any]] = []
+    synth = TokenSynthesizer(key=cluster.token_key)
+    for value in values:
+        if name == "event_delay_s":
+            varied = replace(cluster, event_delay_s=value)
+        elif name == "event_loss_rate":
+            varied = replace(cluster, event_loss_rate=value)
+        else:
+            raise ValueError(f"cannot sweep {name!r}")
+        if progress is not None:
+            progress.start(f"{policy}@{value:g}")
+        run = run_policy(policy, requests, varied, router_options=router_options,
+                         signal_prefill_done=signal_prefill_done, synthesizer=synth,
+                         progress=progress)
+        m = policy_metrics(run)
+        rows.append({name: value, **{k: m[k] for k in (
+            "hit_ratio", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s",
+            "load_imbalance", "event_batches_lost")}, "prediction_error_tokens":
+            m.get("prediction_error_tokens")})
+    return rows

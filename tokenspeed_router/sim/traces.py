@@ -1,0 +1,247 @@
+"""Request traces with KV-block identity, and deterministic token synthesis.
+
+The Mooncake FAST'25 traces (``timestamp`` ms, ``input_length``,
+``output_length``, ``hash_ids``) publish no tokens: each ``hash_id`` names one
+512-token block *together with its whole prefix*. Real caches and the real
+index hash token ids, so every hash id is turned into a deterministic token
+block: ``tokens(hash_id)[k] = mix(key, hash_id, k) % vocab_size`` with a
+SplitMix64-style finaliser (vectorised in numpy). Equal ids give equal tokens,
+different ids give different blocks with overwhelming probability, so prefix
+sharing in the trace becomes prefix sharing of token ids, at *any* simulated
+page size (a 512-token trace block is 32 pages of 16). A partial last block
+keeps the first ``input_length - 512 * (n - 1)`` tokens of its block.
+
+Why a keyed hash rather than ``random.Random(hash_id)``: no generator object
+per block (288k blocks per trace), no global state, and the key lets two runs
+use disjoint vocabularies on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tokenspeed_router.errors import ConfigError
+
+__all__ = [
+    "MOONCAKE_BLOCK_TOKENS",
+    "TokenSynthesizer",
+    "TraceRequest",
+    "TraceWindow",
+    "load_mooncake",
+    "parse_mooncake",
+    "trace_summary",
+]
+
+#: Tokens per hash id in the Mooncake release.
+MOONCAKE_BLOCK_TOKENS = 512
+_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a trace: arrival time, lengths and prefix-block identity.
+
+    ``hash_ids`` are prefix-chained block ids of ``block_tokens`` tokens each;
+    the last one may cover fewer tokens (``input_length`` decides).
+    """
+
+    request_id: str
+    arrival_s: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
+
+    def block_length(self, i: int) -> int:
+        """Tokens covered by block ``i`` (the last may be partial)."""
+        n = len(self.hash_ids)
+        if i < n - 1:
+            return self.block_tokens
+        return max(0, min(self.block_tokens, self.input_length - self.block_tokens * (n - 1)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TraceWindow:
+    """Which part of a trace to replay, and how fast.
+
+    ``rate_scale`` multiplies the arrival rate (2.0 = inter-arrival times
+    halved), so offered load is set by time-scaling the trace rather than by
+    changing the prefill rate (research/workloads.md §3.3). ``start_s`` and
+    ``duration_s`` are in the trace's own time (before scaling); arrivals are
+    re-based so the window starts at 0.
+    """
+
+    start_s: float = 0.0
+    duration_s: float | None = None
+    max_requests: int | None = None
+    rate_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rate_scale <= 0:
+            raise ConfigError(f"rate_scale must be > 0, got {self.rate_scale}")
+        if self.start_s < 0:
+            raise ConfigError(f"start_s must be >= 0, got {self.start_s}")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise ConfigError(f"duration_s must be > 0, got {self.duration_s}")
+        if self.max_requests is not None and self.max_requests <= 0:
+            raise ConfigError(f"max_requests must be > 0, got {self.max_requests}")
+
+
+def parse_mooncake(
+    lines: Iterable[str],
+    window: TraceWindow | None = None,
+    *,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    source: str = "trace",
+) -> list[TraceRequest]:
+    """Parse Mooncake JSON lines into requests, applying ``window``.
+
+    Checks the invariant ``len(hash_ids) == ceil(input_length / block_tokens)``
+    and raises :class:`ConfigError` naming the line when it fails, because a
+    mismatched block size silently corrupts every hit ratio downstream.
+    """
+    window = window or TraceWindow()
+    out: list[TraceRequest] = []
+    end_s = None if window.duration_s is None else window.start_s + window.duration_s
+    for lineno, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+            ts_s = float(row["timestamp"]) / 1000.0
+            input_length = int(row["input_length"])
+            output_length = int(row["output_length"])
+            hash_ids = tuple(int(h) for h in row["hash_ids"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ConfigError(f"{source}:{lineno}: not a Mooncake trace line: {err}") from err
+        if len(hash_ids) != math.ceil(input_length / block_tokens):
+            raise ConfigError(
+                f"{source}:{lineno}: {len(hash_ids)} hash ids for input_length "
+                f"{input_length} does not fit block_tokens={block_tokens}"
+            )
+        if ts_s < window.start_s:
+            continue
+        if end_s is not None and ts_s >= end_s:
+            break
+        out.append(
+            TraceRequest(
+                request_id=f"r{lineno - 1}",
+                arrival_s=(ts_s - window.start_s) / window.rate_scale,
+                input_length=input_length,
+                output_length=output_length,
+                hash_ids=hash_ids,
+                block_tokens=block_tokens,
+            )
+        )
+        if window.max_requests is not None and len(out) >= window.max_requests:
+            break
+    return out
+
+
+def load_mooncake(
+    path: str | Path,
+    window: TraceWindow | None = None,
+    *,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> list[TraceRequest]:
+    """Load a Mooncake-format ``.jsonl`` trace file (see :func:`parse_mooncake`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"trace file not found: {path}")
+    with path.open(encoding="utf-8") as fh:
+        return parse_mooncake(fh, window, block_tokens=block_tokens, source=str(path))
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser on a uint64 array (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK
+        return x ^ (x >> np.uint64(31))
+
+
+class TokenSynthesizer:
+    """Turns trace hash ids into token ids, deterministically for a key.
+
+    ``vocab_size`` defaults to Llama-3's 128,256 (the value only matters for
+    realism of the wire payloads). A small bounded memo keeps hot blocks (a
+    shared system prompt) from being recomputed on every request.
+    """
+
+    def __init__(self, *, key: int = 0, vocab_size: int = 128_256, memo_blocks: int = 4096):
+        if vocab_size <= 1:
+            raise ConfigError(f"vocab_size must be > 1, got {vocab_size}")
+        self._key = np.uint64(key & 0xFFFFFFFFFFFFFFFF)
+        self._vocab = np.uint64(vocab_size)
+        self._memo: dict[tuple[int, int], np.ndarray] = {}
+        self._memo_blocks = memo_blocks
+
+    def block(self, hash_id: int, length: int) -> np.ndarray:
+        """The first ``length`` tokens of the block named ``hash_id`` (int64)."""
+        key = (hash_id, length)
+        got = self._memo.get(key)
+        if got is not None:
+            return got
+        with np.errstate(over="ignore"):
+            seed = _splitmix64(np.array([hash_id & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64) ^ self._key)
+            pos = np.arange(length, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
+            toks = (_splitmix64(pos ^ seed) % self._vocab).astype(np.int64)
+        if len(self._memo) >= self._memo_blocks:
+            self._memo.pop(next(iter(self._memo)))
+        self._memo[key] = toks
+        return toks
+
+    def tokens(self, request: TraceRequest) -> np.ndarray:
+        """All ``input_length`` prompt tokens of ``request`` (int64 array)."""
+        parts = [
+            self.block(h, request.block_length(i)) for i, h in enumerate(request.hash_ids)
+        ]
+        if not parts:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate(parts)
+
+
+def trace_summary(requests: list[TraceRequest]) -> dict[str, float]:
+    """Counts used in reports: requests, span, rate, tokens, ideal hit ratio.
+
+    The ideal hit ratio (infinite single cache, trace block granularity) is
+    the ceiling no routing policy can exceed.
+    """
+    seen: set[int] = set()
+    total = hit = 0
+    for r in requests:
+        for i, h in enumerate(r.hash_ids):
+            n = r.block_length(i)
+            total += n
+            if h in seen:
+                hit += n
+        seen.update(r.hash_ids)
+    span = requests[-1].arrival_s - requests[0].arrival_s if requests else 0.0
+    return {
+        "requests": float(len(requests)),
+        "span_s": span,
+        "req_per_s": len(requests) / span if span > 0 else 0.0,
+        "input_tokens": float(total),
+        "ideal_hit_ratio": hit / total if total else 0.0,
+    }
+
+
+def iter_jsonl(requests: Iterable[TraceRequest]) -> Iterator[str]:
+    """Write requests back in Mooncake format (used to cut shipped slices)."""
+    for r in requests:
+        yield json.dumps(
+            {
+                "timestamp": round(r.arrival_s * 1000),
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": list(r.hash_ids),
+            }
+        )
