@@ -5,6 +5,10 @@ Run::
     .venv/bin/python benchmarks/bench_router.py            # full (~1 min)
     .venv/bin/python benchmarks/bench_router.py --quick    # smoke (~10 s)
     .venv/bin/python benchmarks/bench_router.py --json out.json
+    .venv/bin/python benchmarks/bench_router.py --trace conversation --requests 2000
+
+``--trace`` replays the head of a Mooncake trace (``../shared/traces``) through
+every policy instead (see :func:`replay_trace`): routing quality, not speed.
 
 Workload (fixed seed): block size 16; a few 512-token system prompts; every
 worker holds conversations of 1k-16k tokens that start with one of them,
@@ -31,16 +35,16 @@ import random
 import statistics
 import sys
 import time
-from collections import deque
 from typing import Any
 
 from tokenspeed_router.events.schema import BlockStored, KVEventBatch
-from tokenspeed_router.router import KvIndex, Router, RouterConfig
+from tokenspeed_router.hashing import block_hashes
+from tokenspeed_router.router import IndexIngestor, KvIndex, Router, RouterConfig, WorkerState
+from tokenspeed_router.router.bench_routing import IN_FLIGHT, POLICIES, time_routes
+from tokenspeed_router.router.bench_routing import percentile as pct
 
 BLOCK = 16
 SEED = 20261129
-IN_FLIGHT = 256
-POLICIES = ("round_robin", "least_loaded", "kv_aware", "approx")
 
 
 def make_tokens(rng: random.Random, n: int) -> list[int]:
@@ -78,7 +82,9 @@ def build_index(
     return index, conversations
 
 
-def queries(conversations: list[list[int]], length: int, n: int, rng: random.Random) -> list[list[int]]:
+def queries(
+    conversations: list[list[int]], length: int, n: int, rng: random.Random
+) -> list[list[int]]:
     out = []
     for _ in range(n):
         base = rng.choice(conversations)
@@ -89,25 +95,10 @@ def queries(conversations: list[list[int]], length: int, n: int, rng: random.Ran
     return out
 
 
-def pct(values: list[float], p: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(p / 100 * len(values)))]
-
-
 def time_route(router: Router, qs: list[list[int]]) -> tuple[list[float], float]:
-    window: deque[str] = deque()
-    lat: list[float] = []
-    perf = time.perf_counter
-    t_start = perf()
-    for q in qs:
-        t0 = perf()
-        d = router.route(q)
-        lat.append(perf() - t0)
-        window.append(d.request_id)
-        if len(window) > IN_FLIGHT:
-            router.release(window.popleft())
-    elapsed = perf() - t_start
-    return lat, len(qs) / elapsed
+    t0 = time.perf_counter()
+    lat = time_routes(router, qs, in_flight=IN_FLIGHT)
+    return lat, len(qs) / (time.perf_counter() - t0)
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
@@ -121,7 +112,10 @@ def run(quick: bool) -> list[dict[str, Any]]:
         index, conversations = build_index(num_workers, convs, rng)
         build_s = time.perf_counter() - t0
         stored = index.num_blocks()
-        print(f"# {num_workers} workers: {stored:,} stored blocks, built in {build_s:.1f}s", file=sys.stderr)
+        print(
+            f"# {num_workers} workers: {stored:,} stored blocks, built in {build_s:.1f}s",
+            file=sys.stderr,
+        )
         for length in lengths:
             qs = queries(conversations, length, n_queries, random.Random(SEED + length))
             # A long-running server's index is old-generation garbage-collector
@@ -161,14 +155,165 @@ def run(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+TRACE_BLOCK = 512
+ENGINE_BLOCK = 16
+
+
+def replay_trace(
+    rows: list[dict[str, Any]],
+    config: RouterConfig,
+    *,
+    num_workers: int = 8,
+    prefill_tokens_per_s: float = 10_000.0,
+    tpot_s: float = 0.02,
+) -> dict[str, float]:
+    """Replay trace rows through the real Router/KvIndex/IndexIngestor on a virtual clock.
+
+    Each 512-token hash id becomes 512 deterministic tokens; workers keep an
+    unbounded prefix cache (16-token blocks), prefill FIFO at
+    ``prefill_tokens_per_s``, publish BlockStored when a prefill ends (the
+    router also hears the first token then) and finish after
+    ``output_length * tpot_s``. TTFT = queueing + own uncached prefill.
+    """
+    import heapq
+
+    clock = [0.0]
+    index = KvIndex()
+    router = Router(index, config, clock=lambda: clock[0])
+    ingestor = IndexIngestor(
+        index,
+        clock=lambda: clock[0],
+        on_state_change=lambda w, st: router.set_cold(w, st is not WorkerState.LIVE),
+    )
+    names = [f"w{i}" for i in range(num_workers)]
+    for name in names:
+        router.add_worker(name)
+    cached: dict[str, set[int]] = {n: set() for n in names}
+    free_at = dict.fromkeys(names, 0.0)
+    seqs = dict.fromkeys(names, 0)
+    work = dict.fromkeys(names, 0)
+    pending: list[tuple[float, int, int, Any]] = []
+    ttft: list[float] = []
+    hit_tokens = prompt_tokens = 0
+    for i, req in enumerate(rows):
+        arrival = req["timestamp"] / 1000.0
+        while pending and pending[0][0] <= arrival:
+            when, _, kind, payload = heapq.heappop(pending)
+            clock[0] = when
+            if kind == 0:
+                worker, rid, event = payload
+                if event is not None:
+                    ingestor.on_record(worker, seqs[worker], KVEventBatch(when, [event]), when)
+                    seqs[worker] += 1
+                router.mark_prefill_done(rid)
+            else:
+                router.release(payload)
+        clock[0] = arrival
+        tokens: list[int] = []
+        for h in req["hash_ids"]:
+            tokens.extend(range(h * TRACE_BLOCK + 1, (h + 1) * TRACE_BLOCK + 1))
+        tokens = tokens[: req["input_length"]]
+        d = router.route(tokens)
+        hashes = block_hashes(tokens, ENGINE_BLOCK)
+        have = cached[d.worker]
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in have:
+            hit += 1
+        have.update(hashes)
+        uncached = len(tokens) - hit * ENGINE_BLOCK
+        done = max(arrival, free_at[d.worker]) + uncached / prefill_tokens_per_s
+        free_at[d.worker] = done
+        event = None
+        if hit < len(hashes):
+            event = BlockStored(
+                block_hashes=hashes[hit:],
+                parent_block_hash=hashes[hit - 1] if hit else None,
+                token_ids=tokens[hit * ENGINE_BLOCK : len(hashes) * ENGINE_BLOCK],
+                block_size=ENGINE_BLOCK,
+            )
+        heapq.heappush(pending, (done, 2 * i, 0, (d.worker, d.request_id, event)))
+        heapq.heappush(pending, (done + req["output_length"] * tpot_s, 2 * i + 1, 1, d.request_id))
+        work[d.worker] += uncached
+        hit_tokens += hit * ENGINE_BLOCK
+        prompt_tokens += len(tokens)
+        ttft.append(done - arrival)
+    return {
+        "hit_ratio": hit_tokens / prompt_tokens,
+        "ttft_mean_s": statistics.mean(ttft),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "busiest_over_mean_work": max(work.values()) / (sum(work.values()) / num_workers),
+    }
+
+
+TRACE_POLICIES: dict[str, dict[str, Any]] = {
+    "random": {"policy": "random"},
+    "round_robin": {"policy": "round_robin"},
+    "least_loaded": {"policy": "least_loaded"},
+    "approx": {"policy": "approx"},
+    "prefix_only": {"queue_weight": 0.0, "decode_weight": 0.0},
+    "kv_aware": {},
+}
+
+
+def run_trace(trace: str, num_requests: int, num_workers: int) -> list[dict[str, Any]]:
+    import os
+    from pathlib import Path
+
+    default = Path(__file__).resolve().parents[2] / "shared"
+    shared = Path(os.environ.get("TOKENSPEED_SHARED") or default)
+    path = shared / "traces" / "mooncake" / f"{trace}_trace.jsonl"
+    with path.open() as f:
+        rows = [json.loads(line) for _, line in zip(range(num_requests), f, strict=False)]
+    out = []
+    for label, options in TRACE_POLICIES.items():
+        config = RouterConfig(request_id_prefix="t", seed=SEED, **options)
+        t0 = time.perf_counter()
+        res = replay_trace(rows, config, num_workers=num_workers)
+        res = {k: round(v, 3) for k, v in res.items()}
+        out.append(
+            {"trace": trace, "requests": len(rows), "workers": num_workers, "policy": label, **res}
+        )
+        print(f"# {label}: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small index, fewer queries")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument(
+        "--trace", choices=("conversation", "synthetic"), help="policy replay instead"
+    )
+    parser.add_argument("--requests", type=int, default=2000, help="trace rows to replay")
+    parser.add_argument("--workers", type=int, default=8, help="workers for --trace")
     args = parser.parse_args(argv)
-    rows = run(args.quick)
-    header = ("workers", "tokens", "policy", "route_p50_us", "route_p99_us", "routes_per_s",
-              "p50_vs_round_robin", "match_p50_us")
+    header: tuple[str, ...]
+    if args.trace:
+        rows = run_trace(args.trace, args.requests, args.workers)
+        header = (
+            "trace",
+            "requests",
+            "workers",
+            "policy",
+            "hit_ratio",
+            "ttft_mean_s",
+            "ttft_p50_s",
+            "ttft_p99_s",
+            "busiest_over_mean_work",
+        )
+    else:
+        rows = run(args.quick)
+        header = (
+            "workers",
+            "tokens",
+            "policy",
+            "route_p50_us",
+            "route_p99_us",
+            "routes_per_s",
+            "p50_vs_round_robin",
+            "match_p50_us",
+        )
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
     for row in rows:

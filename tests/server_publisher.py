@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from server_support import removed, stored, tokens
 
-from tokenspeed_router.events import AllBlocksCleared, KVEventBatch
+from tokenspeed_router.events import AllBlocksCleared, Event, KVEventBatch
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 
 
@@ -35,6 +36,7 @@ def main() -> int:
         if not parts:
             continue
         cmd, nums = parts[0], [int(x) for x in parts[1:]]
+        event: Event
         if cmd == "store":
             event = stored(tokens(nums[0], nums[1]))
         elif cmd == "extend":
@@ -48,7 +50,7 @@ def main() -> int:
         else:
             print(f"error unknown command {cmd}", flush=True)
             continue
-        seq = pub.publish(KVEventBatch(0.0, [event]))
+        seq = pub.publish(KVEventBatch(time.time(), [event]))
         pub.wait_sent(5.0)
         print(f"ok {seq}", flush=True)
     pub.close()

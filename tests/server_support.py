@@ -22,7 +22,13 @@ import zmq
 from support import REPO_ROOT, free_tcp_port, wait_until
 
 from tokenspeed_router.events.log import read_kvcap
-from tokenspeed_router.events.schema import BlockRemoved, BlockStored, KVEventBatch
+from tokenspeed_router.events.schema import (
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    KVEventBatch,
+)
 from tokenspeed_router.hashing import block_hashes
 
 BLOCK = 16
@@ -37,7 +43,7 @@ def stored(token_ids: Sequence[int], *, parent_tokens: Sequence[int] = (), block
            medium: str | None = None) -> BlockStored:
     """A BlockStored for ``token_ids`` chained after ``parent_tokens`` (ids = our content hash)."""
     full = [*parent_tokens, *token_ids]
-    hashes = block_hashes(full, block_size)
+    hashes: list[BlockHash] = list(block_hashes(full, block_size))
     skip = len(parent_tokens) // block_size
     parent = hashes[skip - 1] if skip else None
     return BlockStored(
@@ -47,19 +53,19 @@ def stored(token_ids: Sequence[int], *, parent_tokens: Sequence[int] = (), block
 
 
 def removed(token_ids: Sequence[int], first_block: int, num_blocks: int, block_size: int = BLOCK) -> BlockRemoved:
-    hashes = block_hashes(token_ids, block_size)
+    hashes: list[BlockHash] = list(block_hashes(token_ids, block_size))
     return BlockRemoved(block_hashes=hashes[first_block : first_block + num_blocks])
 
 
-def batch(*events: Any, ts: float = 1.0) -> KVEventBatch:
+def batch(*events: Event, ts: float = 1.0) -> KVEventBatch:
     return KVEventBatch(ts, list(events))
 
 
-def two_free_ports() -> int:
+def two_free_ports(avoid: tuple[int, ...] = ()) -> int:
     """A port P with P and P+1 free (for dp_ranks=2 workers on base port + rank)."""
     for _ in range(50):
         p = free_tcp_port()
-        if p >= 65535:
+        if p >= 65535 or any(abs(p - a) <= 1 for a in avoid):
             continue
         try:
             with socket.socket() as a, socket.socket() as b:
@@ -96,7 +102,7 @@ class ServeProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenspeed_router.cli", "--log-level", "INFO", self.command,
              *self.args, "--http", f"127.0.0.1:{self.port}"],
-            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=self._stderr,
+            cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self._stderr,
         )
 
         def healthy() -> bool:
@@ -198,7 +204,7 @@ class CapturePublisher:
     reply framing, then the engine's end marker.
     """
 
-    def __init__(self, folder: Path, *, base_port: int | None = None) -> None:
+    def __init__(self, folder: Path, *, base_port: int | None = None, replay_base_port: int | None = None) -> None:
         self.ranks = load_capture(folder)
         self.manifest = json.loads((folder / "manifest.json").read_text())
         self.ctx = zmq.Context()
@@ -209,11 +215,10 @@ class CapturePublisher:
         for i, rank in enumerate(("dp0", "dp1")):
             pub = self.ctx.socket(zmq.XPUB)
             pub.linger = 0
-            port = 0 if base_port is None else base_port + i
-            pub.bind(f"tcp://127.0.0.1:{port or '*'}" if port else "tcp://127.0.0.1:*")
+            pub.bind("tcp://127.0.0.1:" + ("*" if base_port is None else str(base_port + i)))
             router = self.ctx.socket(zmq.ROUTER)
             router.linger = 0
-            router.bind("tcp://127.0.0.1:*")
+            router.bind("tcp://127.0.0.1:" + ("*" if replay_base_port is None else str(replay_base_port + i)))
             self.pubs[rank] = pub
             self.routers[rank] = router
             self.events[rank] = pub.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -106,6 +106,26 @@ class Workers:
         for p in self.publishers.values():
             p.wait_sent(5.0)
 
+    def handshake(self, *parties: Any, timeout_s: float = 10.0) -> None:
+        """Publish empty probe batches until every party has seen one from every worker.
+
+        ZeroMQ drops what a PUB sends before a SUB is connected, and a
+        subscriber that never sees live traffic never asks for replay: the probe
+        makes sure the subscriptions are up before the test's events flow.
+        """
+
+        def seen() -> bool:
+            for n in self.names:
+                self.last_seq[n] = self.publishers[n].publish(KVEventBatch(time.time(), []))
+            for party in parties:
+                seqs = party.seqs() if isinstance(party, Replica) else party.last_seqs()
+                if any(seqs.get(n) is None for n in self.names):
+                    return False
+            return True
+
+        wait_until(seen, timeout_s=timeout_s, interval_s=0.02, what="subscriptions to see the probes")
+        wait_converged(self, *parties)
+
     def close(self) -> None:
         for p in self.publishers.values():
             p.close()
@@ -187,7 +207,7 @@ class Reference:
 
 def make_config(url: str, replica_id: str, **overrides: Any) -> RedisStateConfig:
     values: dict[str, Any] = {
-        "lease_ttl_s": 1.0, "snapshot_every_batches": 10_000, "snapshot_every_s": 3600.0,
+        "lease_ttl_s": 3.0, "snapshot_every_batches": 10_000, "snapshot_every_s": 3600.0,
         "read_block_ms": 50, "backoff_min_s": 0.02, "backoff_max_s": 0.2, "socket_timeout_s": 1.0,
     }
     values.update(overrides)

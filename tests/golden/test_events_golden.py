@@ -165,7 +165,8 @@ class _ReferenceCache:
 
     def leaves(self, block_size: int) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
         parents = {p for p, _ in self.blocks.values()}
-        full, partial = [], []
+        full: list[list[list[int]]] = []
+        partial: list[list[list[int]]] = []
         for h, (_, tokens) in self.blocks.items():
             if h in parents:
                 continue

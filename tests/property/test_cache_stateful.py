@@ -16,11 +16,13 @@ After every step:
 
 from __future__ import annotations
 
+import array
+
 import hypothesis.strategies as st
 import pytest
 import torch
 from cache_reference import Chain, EventFolder
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
@@ -35,7 +37,7 @@ from tokenspeed_router.cache import EVICTION_POLICIES, PrefixCache, Req, TreeNod
 from tokenspeed_router.errors import CacheError, OutOfPagesError
 
 PAGE_SIZE = 2
-NUM_PAGES = 24
+NUM_PAGES = 14
 MAX_REQS = 4
 MAX_CONTEXT = 32
 
@@ -60,7 +62,7 @@ def chain_of(node: TreeNode) -> Chain:
     parts = []
     cur: TreeNode | None = node
     while cur is not None and cur.parent is not None:
-        parts.append(tuple(cur.key))
+        parts.append(tuple(tuple(array.array("Q", page)) for page in cur.key))
         cur = cur.parent
     return tuple(page for part in reversed(parts) for page in part)
 
@@ -90,7 +92,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     def protected(self) -> set[Chain]:
         out: set[Chain] = set()
-        for node in [*self.lock_nodes, *(r.last_node for r in self.live if r.last_node is not None)]:
+        for node in [
+            *self.lock_nodes,
+            *(r.last_node for r in self.live if r.last_node is not None),
+        ]:
             out |= prefixes(chain_of(node))
         return out
 
@@ -130,13 +135,17 @@ class CacheMachine(RuleBasedStateMachine):
         pages = pages_of(tokens)
         k = self.longest_cached(pages)
         protected = self.protected() | prefixes(pages[:k])
+        evicted_before = self.cache.statistics().evicted_tokens
         hit = self.cache.admit(tokens, priority=priority)
         assert hit == k * PAGE_SIZE
+        if self.cache.statistics().evicted_tokens > evicted_before:
+            event("admit evicted under pressure")
         self.apply_diff(may_add=prefixes(pages), protected=protected)
         j = self.longest_cached(pages)
         assert j >= k
         if j < len(pages):
             # Truncated: only possible when everything evictable was evicted.
+            event("admit truncated")
             survivors = set(self.model) - prefixes(pages[:j]) - protected
             assert not survivors, f"truncated admit left evictable chains {survivors}"
 
@@ -150,6 +159,7 @@ class CacheMachine(RuleBasedStateMachine):
         try:
             req = self.cache.begin_request(tokens)
         except OutOfPagesError:
+            event("begin out of pages")
             assert self.cache.cached_chains() == self.model, "failed begin changed the tree"
             assert self.cache.page_accounting() == before
             return
@@ -215,12 +225,15 @@ class CacheMachine(RuleBasedStateMachine):
         removed = self.apply_diff(may_add=set(), protected=protected)
         assert evicted == len(removed) * PAGE_SIZE
         assert evicted >= min(num_tokens, evictable_before)
+        if removed:
+            event("explicit evict removed blocks")
         if evicted < num_tokens:
             assert self.cache.evictable_size() == 0
 
     @rule()
     def reset(self) -> None:
         if self.protected():
+            event("reset refused while locked")
             with pytest.raises(CacheError):
                 self.cache.reset()
             assert self.cache.cached_chains() == self.model
@@ -289,8 +302,8 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 CacheMachine.TestCase.settings = settings(
-    max_examples=60,
-    stateful_step_count=40,
+    max_examples=100,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -142,8 +142,8 @@ def _state(index: KvIndex) -> Any:
     raw = msgspec.msgpack.decode(index.snapshot())
     workers = {}
     for name, bs, ext, content, unmatchable, tier_index, tier_code, _counters in raw["workers"]:
-        codes = dict(zip(tier_index, tier_code))
-        blocks = {e: (c, i in unmatchable, codes.get(i)) for i, (e, c) in enumerate(zip(ext, content))}
+        codes = dict(zip(tier_index, tier_code, strict=True))
+        blocks = {e: (c, i in unmatchable, codes.get(i)) for i, (e, c) in enumerate(zip(ext, content, strict=True))}
         workers[name] = (bs, blocks)
     return workers, dict(index._holders), dict(index._size_masks)
 

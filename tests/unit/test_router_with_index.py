@@ -79,3 +79,16 @@ def test_approx_workers_accept_lora_names() -> None:
     again = router.route(PROMPT, lora_id="adapter-1")
     assert again.worker == first.worker and again.matched_tokens == 3200
     assert router.route(PROMPT, lora_id="adapter-2").scores == {}
+
+
+def test_numpy_prompts_route_like_lists() -> None:
+    import numpy as np
+
+    index = KvIndex()
+    store(index, "b", PROMPT)
+    arr = np.asarray(PROMPT, dtype=np.int64)
+    assert make(index).route(arr).scores == make(index).route(PROMPT).scores == {"b": 200}
+    router = Router(None, RouterConfig(policy="approx", request_id_prefix="t"), clock=FakeClock())
+    router.add_worker("x")
+    router.route(arr)
+    assert router.route(PROMPT).matched_tokens == 3200

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -147,7 +148,7 @@ dp_ranks = 2
     assert [s.name for s in config.subscribers()] == ["p0/dp0", "p0/dp1"]
     assert config.subscribers()[1].replay == "tcp://127.0.0.1:6558"
     # events 5557 + replay 5558 with two ranks would overlap: rank 1 publishes on 5558
-    with pytest.raises(ConfigError, match="same endpoint tcp://127.0.0.1:5558"):
+    with pytest.raises(ConfigError, match=re.escape("same endpoint tcp://127.0.0.1:5558")):
         load_server_config(
             {"workers": ["name=p0,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,dp_ranks=2"]}, {}
         )
@@ -183,3 +184,37 @@ def test_auth_token_file_and_http_none(tmp_path: Path) -> None:
     token_file.write_text("s3cret\n")
     config = load_server_config({"auth_token_file": str(token_file), "http": "none"}, {})
     assert config.auth_token == "s3cret" and config.http is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--worker", "name=w0,events=tcp://127.0.0.1:1,colour=red", "--http", "none"], "colour"),
+        (["serve", "--worker", "name=w0,events=tcp://127.0.0.1:1", "--http", "127.0.0.1:99999"], "out of range"),
+        (["serve", "--zmq-api", "nonsense", "--http", "none"], "zmq_api"),
+        (["replay", "/nonexistent/events.tslog"], "no such file"),
+        (["record", "--out", "/tmp/never.tslog", "--duration", "1"], "no workers"),
+        (["inspect", "/nonexistent"], "no such file"),
+    ],
+)
+def test_cli_reports_config_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenspeed_router.cli import main
+
+    for var in [v for v in os.environ if v.startswith("TOKENSPEED_ROUTER_")]:
+        monkeypatch.delenv(var)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_a_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    from tokenspeed_router.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--http", f"127.0.0.1:{port}"]) == 2
+    assert "cannot listen on" in capsys.readouterr().err

@@ -35,7 +35,7 @@ def client() -> Iterator[TestClient]:
 
 
 def test_match_shape_and_tiers(client: TestClient) -> None:
-    resp = client.post("/match", json={"token_ids": tokens(1, 4) + [7, 8]})
+    resp = client.post("/match", json={"token_ids": [*tokens(1, 4), 7, 8]})
     assert resp.status_code == 200
     assert resp.json() == {
         "scores": {"w0": 4, "w1": 2},
@@ -121,6 +121,10 @@ def test_unknown_paths_methods_and_workers(client: TestClient) -> None:
     assert resp.status_code == 400 and "not a ZeroMQ endpoint" in resp.json()["error"]
     resp = client.put("/workers/w9", json={"events": "tcp://127.0.0.1:1", "colour": "red"})
     assert resp.status_code == 400 and "colour" in resp.json()["error"]
+    resp = client.put("/workers/w9", content=b"[" * 5_000 + b"]" * 5_000)
+    assert resp.status_code == 400 and "nested too deeply" in resp.json()["error"]
+    resp = client.post("/match", content=b"[" * 5_000 + b"]" * 5_000)
+    assert resp.status_code == 400
 
 
 def test_put_and_delete_workers_at_run_time(client: TestClient) -> None:
@@ -134,6 +138,8 @@ def test_put_and_delete_workers_at_run_time(client: TestClient) -> None:
     # an endpoint in use by another worker is a conflict
     resp = client.put("/workers/w10", json={"events": "tcp://127.0.0.1:2"})
     assert resp.status_code == 409 and "already used" in resp.json()["error"]
+    resp = client.delete("/workers/w9/dp1")
+    assert resp.status_code == 409 and "one rank of worker 'w9'" in resp.json()["error"]
     assert client.delete("/workers/w9").json() == {"removed": ["w9/dp0", "w9/dp1"]}
     assert "w9/dp0" not in client.get("/workers").json()["workers"]
     # a worker known only from its events can be removed too

@@ -45,9 +45,9 @@ def test_errors_and_auth(api: tuple[RouterService, ZmqApiServer]) -> None:
         with pytest.raises(RouterApiError) as err:
             anon.match([1, 2])
         assert err.value.status == 401
-    with ZmqRouterClient(server.endpoint, auth_token="wrong", timeout_s=5) as bad:
-        with pytest.raises(RouterApiError, match="invalid bearer token"):
-            bad.route([1])
+    with ZmqRouterClient(server.endpoint, auth_token="wrong", timeout_s=5) as bad, \
+            pytest.raises(RouterApiError, match="invalid bearer token"):
+        bad.route([1])
     with ZmqRouterClient(server.endpoint, auth_token="Bearer s3cret", timeout_s=5) as client:
         with pytest.raises(RouterApiError, match=r"\$\.token_ids\[0\]") as err:
             client.match([-1])
@@ -78,6 +78,8 @@ def test_malformed_requests_get_answers_and_the_server_lives(api: tuple[RouterSe
     assert garbage["status"] == 400 and "malformed msgpack" in str(garbage["error"])
     not_a_map = ask(msgspec.msgpack.encode([1, 2, 3]))
     assert not_a_map["status"] == 400
+    deep = ask(b"\x91" * 100_000 + b"\x00")
+    assert deep["status"] == 400
     no_op = ask(msgspec.msgpack.encode({"token_ids": [1]}))
     assert "missing required field `op`" in str(no_op["error"])
     two = ask(b"a", b"b", b"c")

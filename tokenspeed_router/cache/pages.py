@@ -61,7 +61,9 @@ class PagedKVAllocator:
         debug_checks: bool = True,
     ) -> None:
         if num_pages <= 0 or page_size <= 0:
-            raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
+            raise ValueError(
+                f"num_pages and page_size must be positive, got {num_pages}, {page_size}"
+            )
         if max_num_reqs <= 0 or max_pages_per_req <= 0:
             raise ValueError("max_num_reqs and max_pages_per_req must be positive")
         self.num_pages = num_pages
@@ -170,13 +172,17 @@ class PagedKVAllocator:
 
     # --- request rows -----------------------------------------------------
 
-    def set_req_pages(self, req_pool_idx: int, positions: torch.Tensor | int, page_ids: torch.Tensor) -> None:
+    def set_req_pages(
+        self, req_pool_idx: int, positions: torch.Tensor | int, page_ids: torch.Tensor
+    ) -> None:
         """Write ``page_ids`` into the request's row at ``positions`` (a start index or an index tensor)."""
         ids = page_ids.reshape(-1).to(PAGE_ID_DTYPE)
         if isinstance(positions, int):
             end = positions + int(ids.numel())
             if end > self.req_to_page.shape[1]:
-                raise CacheError(f"request needs {end} pages, row holds {self.req_to_page.shape[1]}")
+                raise CacheError(
+                    f"request needs {end} pages, row holds {self.req_to_page.shape[1]}"
+                )
             self.req_to_page[req_pool_idx, positions:end] = ids.to(self.device)
             self.req_to_page_cpu[req_pool_idx, positions:end] = ids.cpu()
         else:
@@ -184,7 +190,9 @@ class PagedKVAllocator:
             self.req_to_page[req_pool_idx, pos.to(self.device)] = ids.to(self.device)
             self.req_to_page_cpu[req_pool_idx, pos.cpu()] = ids.cpu()
 
-    def free_with_diff(self, new_prefix_page_ids: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    def free_with_diff(
+        self, new_prefix_page_ids: torch.Tensor, page_ids: torch.Tensor
+    ) -> torch.Tensor:
         """Free the request's pages that the tree already held under other ids.
 
         After inserting a request's pages, the tree answers with its own page
@@ -200,7 +208,9 @@ class PagedKVAllocator:
         self.free(page_ids[diff])
         return diff
 
-    def free_extra_pages_not_cached(self, req_pool_idx: int, seq_len: int, alloced_len: int) -> None:
+    def free_extra_pages_not_cached(
+        self, req_pool_idx: int, seq_len: int, alloced_len: int
+    ) -> None:
         """Free the request's pages past its last full page of ``seq_len`` tokens.
 
         The tree only caches full pages; the partial tail page and any page
@@ -227,12 +237,16 @@ class ReqToTokenPool:
     ``alloced_lens == 0`` owns no pages.
     """
 
-    def __init__(self, max_num_reqs: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, max_num_reqs: int, max_context_len: int, device: str | torch.device = "cpu"
+    ) -> None:
         if max_num_reqs <= 0 or max_context_len <= 0:
             raise ValueError("max_num_reqs and max_context_len must be positive")
         self.device = torch.device(device)
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((max_num_reqs, max_context_len), dtype=torch.int32, device=self.device)
+        self.req_to_token = torch.zeros(
+            (max_num_reqs, max_context_len), dtype=torch.int32, device=self.device
+        )
         self.alloced_lens = torch.zeros(max_num_reqs, dtype=torch.int64)
         self._live = torch.zeros(max_num_reqs, dtype=torch.bool)
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
@@ -273,7 +287,13 @@ class ReqToTokenPool:
         self.alloced_lens.zero_()
         self._free_slots = list(range(self.size - 1, -1, -1))
 
-    def write_pages(self, req_pool_idx: int, positions: torch.Tensor | int, page_ids: torch.Tensor, page_size: int) -> None:
+    def write_pages(
+        self,
+        req_pool_idx: int,
+        positions: torch.Tensor | int,
+        page_ids: torch.Tensor,
+        page_size: int,
+    ) -> None:
         """Write the token slots of ``page_ids`` at page ``positions`` of the request's row."""
         ids = page_ids.reshape(-1).to(device=self.device, dtype=torch.int64)
         if ids.numel() == 0:

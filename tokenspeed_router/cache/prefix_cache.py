@@ -34,6 +34,8 @@ happens only when an event is built. Single owner: one scheduler thread.
 
 from __future__ import annotations
 
+import array
+import collections
 import dataclasses
 import functools
 import heapq
@@ -52,10 +54,10 @@ from tokenspeed_router.cache.pages import (
     ReqToTokenPool,
 )
 from tokenspeed_router.cache.sink import BatchPublisher, KvEventSink
-from tokenspeed_router.cache.tree import PageKey, TreeNode, key_match, paginate
+from tokenspeed_router.cache.tree import PageKey, TreeNode, key_match, page_tokens, paginate
 from tokenspeed_router.errors import CacheError, ConfigError, OutOfPagesError
 from tokenspeed_router.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from tokenspeed_router.hashing import iter_block_hashes, root_seed, tokens_to_bytes
+from tokenspeed_router.hashing import chain_hash, root_seed
 
 __all__ = ["CacheInitParams", "CacheStatistics", "MatchResult", "PrefixCache", "Req"]
 
@@ -125,10 +127,19 @@ class Req:
     #: Tree page ids of the request's cached prefix, refreshed by cache_unfinished_req.
     prefix_indices: torch.Tensor | None = None
 
+    #: Set by an engine that prefills in chunks; None means prompt plus generated tokens.
+    fill_ids_override: list[int] | None = None
+
     @property
     def fill_ids(self) -> list[int]:
-        """All tokens whose KV the request has: prompt plus generated."""
+        """Tokens whose KV the request has computed (what ``cache_unfinished_req`` caches)."""
+        if self.fill_ids_override is not None:
+            return self.fill_ids_override
         return self.origin_input_ids + self.output_ids
+
+    @fill_ids.setter
+    def fill_ids(self, value: list[int] | None) -> None:
+        self.fill_ids_override = value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +161,9 @@ class CacheStatistics:
     events_pending: int
 
 
-def _emits(method: Callable[Concatenate[PrefixCache, _P], _R]) -> Callable[Concatenate[PrefixCache, _P], _R]:
+def _emits(
+    method: Callable[Concatenate[PrefixCache, _P], _R],
+) -> Callable[Concatenate[PrefixCache, _P], _R]:
     """Public mutators: when the outermost one returns, hand queued events to an attached sink."""
 
     @functools.wraps(method)
@@ -160,7 +173,11 @@ def _emits(method: Callable[Concatenate[PrefixCache, _P], _R]) -> Callable[Conca
             result = method(self, *args, **kwargs)
         finally:
             self._op_depth -= 1
-        if self._op_depth == 0 and self._sink is not None and len(self.kv_event_queue) >= self._flush_every:
+        if (
+            self._op_depth == 0
+            and self._sink is not None
+            and len(self.kv_event_queue) >= self._flush_every
+        ):
             self.flush_events()
         return result
 
@@ -177,6 +194,8 @@ class PrefixCache:
                 f"page_size {params.page_size} disagrees with the allocator's {allocator.page_size}"
             )
         self.page_size = allocator.page_size if allocator is not None else params.page_size
+        #: Where page ids live (the allocator's device; tree values and match results too).
+        self.device = allocator.device if allocator is not None else torch.device("cpu")
         if self.page_size <= 0:
             raise ConfigError(f"page_size must be positive, got {self.page_size}")
         self.disable = params.disable
@@ -278,7 +297,9 @@ class PrefixCache:
         if self.enable_kv_cache_events:
             self._emit(AllBlocksCleared(medium=self.medium))
 
-    def match_prefix(self, key: Sequence[int] | Sequence[PageKey] | Any, **kwargs: Any) -> MatchResult:
+    def match_prefix(
+        self, key: Sequence[int] | Sequence[tuple[int, ...]] | Any, **kwargs: Any
+    ) -> MatchResult:
         """Longest cached prefix of ``key`` (token ids or page tuples); full pages only.
 
         Touches the matched nodes (access time, ``hit_count``). When the match
@@ -296,7 +317,7 @@ class PrefixCache:
     @_emits
     def insert(
         self,
-        key: Sequence[int] | Sequence[PageKey] | Any,
+        key: Sequence[int] | Sequence[tuple[int, ...]] | Any,
         value: torch.Tensor | None = None,
         *,
         priority: int = 0,
@@ -338,6 +359,7 @@ class PrefixCache:
             if token_ids is None:
                 token_ids = (req.origin_input_ids + req.output_ids)[:-1]
             pages = paginate(token_ids, self.page_size)
+            self._check_allocated(len(pages), alloced_len)
             page_ids = allocator.req_to_page[idx, : len(pages)].clone()
             if self.disable_finished_insert:
                 self._free_private_pages(pages, page_ids)
@@ -346,7 +368,10 @@ class PrefixCache:
                 tree_values, _ = self._match(pages, count_hit=False)
                 if tree_values:
                     allocator.free_with_diff(torch.cat(tree_values), page_ids)
-            allocator.free_extra_pages_not_cached(idx, len(token_ids), alloced_len)
+            # Pages the request already gave the tree (cache_unfinished_req) are
+            # the tree's even when token_ids stops short of them.
+            tree_owned = self._chain_pages(req.last_node) * self.page_size
+            allocator.free_extra_pages_not_cached(idx, max(len(token_ids), tree_owned), alloced_len)
         pool.alloced_lens[idx] = 0
         if not delay_req_pool_release:
             pool.free(idx)
@@ -370,6 +395,7 @@ class PrefixCache:
         if token_ids is None:
             token_ids = req.fill_ids
         pages = paginate(token_ids, self.page_size)
+        self._check_allocated(len(pages), int(pool.alloced_lens[idx]))
         page_ids = allocator.req_to_page[idx, : len(pages)].clone()
         self._insert(pages, page_ids, req.priority)
         tree_values, new_last = self._match(pages, count_hit=False)
@@ -407,7 +433,9 @@ class PrefixCache:
         return (self._evictable_pages + self._protected_pages) * self.page_size
 
     @_emits
-    def evict(self, num_tokens: int, evict_callback: Callable[[TreeNode], None] | None = None) -> int:
+    def evict(
+        self, num_tokens: int, evict_callback: Callable[[TreeNode], None] | None = None
+    ) -> int:
         """Evict unlocked leaves, in policy order, until ``num_tokens`` tokens are freed.
 
         Whole nodes go, so up to one node's worth more may be freed; parents
@@ -436,7 +464,11 @@ class PrefixCache:
             evicted += len(node.key)
             parent = node.parent
             self._delete_leaf(node)
-            if parent is not None and parent is not self.root_node and parent in self.evictable_leaves:
+            if (
+                parent is not None
+                and parent is not self.root_node
+                and parent in self.evictable_leaves
+            ):
                 heapq.heappush(heap, (key(parent), parent.id, parent))
         if allocator is not None:
             allocator.free_group_end()
@@ -493,7 +525,9 @@ class PrefixCache:
     # ------------------------------------------------------------------ engine-less API
 
     @_emits
-    def begin_request(self, token_ids: Sequence[int] | Any, *, priority: int = 0, strict: bool = True) -> Req:
+    def begin_request(
+        self, token_ids: Sequence[int] | Any, *, priority: int = 0, strict: bool = True
+    ) -> Req:
         """Start a request as an engine would: match, lock the prefix, allocate the rest.
 
         Takes a request slot, locks the matched prefix, evicts if the free
@@ -511,7 +545,9 @@ class PrefixCache:
         max_pages = min(allocator.req_to_page.shape[1], pool.max_context_len // self.page_size)
         if len(tokens) > max_pages * self.page_size:
             if strict:
-                raise OutOfPagesError(f"request of {len(tokens)} tokens exceeds a row of {max_pages} pages")
+                raise OutOfPagesError(
+                    f"request of {len(tokens)} tokens exceeds a row of {max_pages} pages"
+                )
             tokens = tokens[: max_pages * self.page_size]
         idx = pool.alloc()
         if idx is None:
@@ -561,7 +597,9 @@ class PrefixCache:
         new_len = old_len + len(new_token_ids)
         first = -(-old_len // self.page_size)
         need = -(-new_len // self.page_size) - first
-        if first + need > min(allocator.req_to_page.shape[1], pool.max_context_len // self.page_size):
+        if first + need > min(
+            allocator.req_to_page.shape[1], pool.max_context_len // self.page_size
+        ):
             raise OutOfPagesError(f"request would exceed its row ({new_len} tokens)")
         if need > allocator.num_free_pages + self._evictable_pages:
             raise OutOfPagesError(
@@ -575,7 +613,9 @@ class PrefixCache:
         req.output_ids.extend(new_token_ids)
 
     @_emits
-    def admit(self, token_ids: Sequence[int] | Any, *, priority: int = 0, strict: bool = False) -> int:
+    def admit(
+        self, token_ids: Sequence[int] | Any, *, priority: int = 0, strict: bool = False
+    ) -> int:
         """Serve one request start to finish; return how many of its tokens were cache hits.
 
         Match, allocate the uncached pages (evicting if needed), cache the full
@@ -663,9 +703,9 @@ class PrefixCache:
         events: list[Event] = [AllBlocksCleared(medium=self.medium)]
         if not self.enable_kv_cache_events:
             return events
-        queue = list(self.root_node.children.values())
+        queue = collections.deque(self.root_node.children.values())
         while queue:
-            node = queue.pop(0)
+            node = queue.popleft()
             events.append(self._stored_event(node))
             queue.extend(node.children.values())
         return events
@@ -696,16 +736,20 @@ class PrefixCache:
             events_pending=len(self.kv_event_queue),
         )
 
-    def cached_chains(self) -> dict[tuple[PageKey, ...], int]:
-        """Every cached page as ``{page chain from the root: page id}`` (for tests and debugging)."""
-        out: dict[tuple[PageKey, ...], int] = {}
-        stack: list[tuple[TreeNode, tuple[PageKey, ...]]] = [(self.root_node, ())]
+    def cached_chains(self) -> dict[tuple[tuple[int, ...], ...], int]:
+        """Every cached page as ``{chain of page token tuples from the root: page id}``.
+
+        For tests and debugging (it decodes every page): a brute-force view of
+        the tree's content.
+        """
+        out: dict[tuple[tuple[int, ...], ...], int] = {}
+        stack: list[tuple[TreeNode, tuple[tuple[int, ...], ...]]] = [(self.root_node, ())]
         while stack:
             node, prefix = stack.pop()
             if node is not self.root_node and node.value is not None:
                 ids = node.value.tolist()
                 for page, page_id in zip(node.key, ids, strict=True):
-                    prefix = (*prefix, page)
+                    prefix = (*prefix, tuple(array.array("Q", page)))
                     out[prefix] = page_id
             stack.extend((child, prefix) for child in node.children.values())
         return out
@@ -714,14 +758,23 @@ class PrefixCache:
 
     def _new_root(self) -> TreeNode:
         root = TreeNode(next(self._node_ids), next(self._clock))
-        root.value = torch.empty(0, dtype=PAGE_ID_DTYPE)
+        root.value = torch.empty(0, dtype=PAGE_ID_DTYPE, device=self.device)
         root.lock_ref = 1
         return root
 
     def _pools(self) -> tuple[ReqToTokenPool, PagedKVAllocator]:
         if self.req_to_token_pool is None or self.token_to_kv_pool_allocator is None:
-            raise ConfigError("this operation needs req_to_token_pool and token_to_kv_pool_allocator")
+            raise ConfigError(
+                "this operation needs req_to_token_pool and token_to_kv_pool_allocator"
+            )
         return self.req_to_token_pool, self.token_to_kv_pool_allocator
+
+    def _check_allocated(self, num_pages: int, alloced_len: int) -> None:
+        """Refuse to cache pages the request never allocated (they would be page 0 or stale ids)."""
+        if num_pages * self.page_size > alloced_len:
+            raise CacheError(
+                f"token_ids cover {num_pages} full pages but the request allocated {alloced_len} tokens"
+            )
 
     @staticmethod
     def _slot_of(req: Req) -> int:
@@ -731,7 +784,7 @@ class PrefixCache:
 
     def _empty_match_result(self) -> MatchResult:
         return MatchResult(
-            device_indices=torch.empty(0, dtype=PAGE_ID_DTYPE),
+            device_indices=torch.empty(0, dtype=PAGE_ID_DTYPE, device=self.device),
             last_device_node=self.root_node,
             last_host_node=self.root_node,
             device_prefix_length=0,
@@ -739,7 +792,9 @@ class PrefixCache:
         )
 
     def _match_result(self, values: list[torch.Tensor], last: TreeNode) -> MatchResult:
-        indices = torch.cat(values) if values else torch.empty(0, dtype=PAGE_ID_DTYPE)
+        indices = (
+            torch.cat(values) if values else torch.empty(0, dtype=PAGE_ID_DTYPE, device=self.device)
+        )
         return MatchResult(
             device_indices=indices,
             last_device_node=last,
@@ -747,7 +802,9 @@ class PrefixCache:
             device_prefix_length=int(indices.numel()) * self.page_size,
         )
 
-    def _match(self, pages: list[PageKey], *, count_hit: bool) -> tuple[list[torch.Tensor], TreeNode]:
+    def _match(
+        self, pages: list[PageKey], *, count_hit: bool
+    ) -> tuple[list[torch.Tensor], TreeNode]:
         node = self.root_node
         node.last_access_time = next(self._clock)
         values: list[torch.Tensor] = []
@@ -795,15 +852,17 @@ class PrefixCache:
             self.evict(short * self.page_size)
         return allocator.alloc_or_raise(num_pages)
 
-    def _add_leaf(self, parent: TreeNode, pages: list[PageKey], value: torch.Tensor, priority: int) -> None:
+    def _add_leaf(
+        self, parent: TreeNode, pages: list[PageKey], value: torch.Tensor, priority: int
+    ) -> None:
         if value.numel() != len(pages):
             raise ValueError(f"{len(pages)} pages but {value.numel()} page ids")
         hashes: list[int] = []
         if self.enable_kv_cache_events:
-            # Hash before linking the node: a bad token raises with the tree untouched.
-            seed = self._root_seed if parent is self.root_node else parent.block_hashes[-1]
-            data = tokens_to_bytes(list(itertools.chain.from_iterable(pages)))
-            hashes = list(iter_block_hashes(data, self.page_size, seed))
+            h = self._root_seed if parent is self.root_node else parent.block_hashes[-1]
+            for page in pages:  # the page bytes are exactly the hashed encoding
+                h = chain_hash(page, self._root_seed)
+                hashes.append(h)
         node = TreeNode(next(self._node_ids), next(self._clock), priority)
         node.parent = parent
         node.key = pages
@@ -857,11 +916,13 @@ class PrefixCache:
 
     def _stored_event(self, node: TreeNode) -> BlockStored:
         parent = node.parent
-        parent_hash = None if parent is None or parent is self.root_node else parent.block_hashes[-1]
+        parent_hash = (
+            None if parent is None or parent is self.root_node else parent.block_hashes[-1]
+        )
         return BlockStored(
             block_hashes=list(node.block_hashes),
             parent_block_hash=parent_hash,
-            token_ids=list(itertools.chain.from_iterable(node.key)),
+            token_ids=page_tokens(node.key),
             block_size=self.page_size,
             lora_id=self.lora_id,
             medium=self.medium,
@@ -876,10 +937,19 @@ class PrefixCache:
         allocator = self._pools()[1]
         tree_values, _ = self._match(pages, count_hit=False)
         tree_ids = torch.cat(tree_values) if tree_values else page_ids[:0]
-        private = torch.ones(page_ids.numel(), dtype=torch.bool)
+        private = torch.ones(page_ids.numel(), dtype=torch.bool, device=page_ids.device)
         shared = tree_ids.numel()
         private[:shared] = tree_ids.to(page_ids.device) != page_ids[:shared]
         allocator.free(page_ids[private])
+
+    @staticmethod
+    def _chain_pages(node: TreeNode | None) -> int:
+        """Pages from the root to the end of ``node`` (what a lock on it covers)."""
+        total = 0
+        while node is not None and node.parent is not None:
+            total += len(node.key)
+            node = node.parent
+        return total
 
     def _iter_nodes(self) -> Iterator[TreeNode]:
         stack = list(self.root_node.children.values())
@@ -890,4 +960,6 @@ class PrefixCache:
 
     def _tree_page_ids(self) -> torch.Tensor:
         values = [node.value for node in self._iter_nodes() if node.value is not None]
-        return torch.cat(values) if values else torch.empty(0, dtype=PAGE_ID_DTYPE)
+        return (
+            torch.cat(values) if values else torch.empty(0, dtype=PAGE_ID_DTYPE, device=self.device)
+        )

@@ -57,7 +57,9 @@ class KvEventSink:
 
     def publish_batch(self, events: list[Event]) -> int:
         """Publish one batch of ``events``; return the publisher's seq (its errors propagate)."""
-        batch = KVEventBatch(ts=self._clock(), events=events, data_parallel_rank=self.data_parallel_rank)
+        batch = KVEventBatch(
+            ts=self._clock(), events=events, data_parallel_rank=self.data_parallel_rank
+        )
         seq = self.publisher.publish(batch)
         self.num_batches += 1
         self.num_events += len(events)

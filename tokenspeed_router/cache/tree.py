@@ -1,24 +1,31 @@
 """Radix tree node and page-key helpers for :mod:`tokenspeed_router.cache`.
 
-A node holds a run of *pages*: ``key`` is a list of page tuples (``page_size``
-token ids each), ``value`` the matching tensor of page ids, and
+A node holds a run of *pages*: ``key`` is a list of pages, each the
+``page_size`` token ids of the page as unsigned 64-bit little-endian bytes
+(the very bytes :mod:`tokenspeed_router.hashing` hashes, so a page is encoded
+once; bytes are compact, compare with one memcmp and are not tracked by the
+garbage collector, unlike the seed's tuples of ints), ``value`` the matching
+tensor of page ids, and
 ``block_hashes`` the chained content hash of each page (see
 :mod:`tokenspeed_router.hashing`), computed once when the node's pages were
 inserted and sliced with the node on a split. Children are keyed by their
-first page tuple, so one dict lookup picks the branch.
+first page, so one dict lookup picks the branch.
 """
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["PageKey", "TreeNode", "key_match", "paginate"]
+from tokenspeed_router.hashing import TOKEN_BYTES, tokens_to_bytes
 
-#: One page of token ids.
-PageKey = tuple[int, ...]
+__all__ = ["PageKey", "TreeNode", "key_match", "page_tokens", "paginate"]
+
+#: One page: its token ids as u64 little-endian bytes.
+PageKey = bytes
 
 
 class TreeNode:
@@ -70,22 +77,26 @@ class TreeNode:
         )
 
 
-def paginate(token_ids: Sequence[int] | Sequence[PageKey] | Any, page_size: int) -> list[PageKey]:
-    """Cut token ids into full pages (the partial tail is dropped); pass page lists through.
+def paginate(
+    token_ids: Sequence[int] | Sequence[tuple[int, ...]] | Any, page_size: int
+) -> list[PageKey]:
+    """Cut token ids into full pages of u64-LE bytes (the partial tail is dropped).
 
-    Accepts a list of ints, a tensor / ndarray (``tolist()`` is called once),
-    or an already paged list of tuples (the seed's "compatible with whether
-    the incoming key is paged").
+    Accepts a list of ints, a tensor / ndarray, or an already paged list of
+    tuples (the seed's "compatible with whether the incoming key is paged").
+    Token ids must be integers in ``[0, 2**64)``
+    (:class:`~tokenspeed_router.errors.WireError` otherwise).
     """
-    if hasattr(token_ids, "tolist"):
-        token_ids = token_ids.tolist()
-    if not token_ids:
-        return []
-    if isinstance(token_ids[0], tuple):
-        return list(token_ids)
-    tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
-    full = len(tokens) - len(tokens) % page_size
-    return [tuple(tokens[i : i + page_size]) for i in range(0, full, page_size)]
+    if isinstance(token_ids, list) and token_ids and isinstance(token_ids[0], tuple):
+        return [array.array("Q", page).tobytes() for page in token_ids]
+    data = tokens_to_bytes(token_ids)
+    step = page_size * TOKEN_BYTES
+    return [data[i : i + step] for i in range(0, len(data) - len(data) % step, step)]
+
+
+def page_tokens(pages: Sequence[PageKey]) -> list[int]:
+    """Token ids of a run of pages (one C call, no per-token Python loop)."""
+    return array.array("Q", b"".join(pages)).tolist()
 
 
 def key_match(node_key: list[PageKey], pages: list[PageKey], start: int) -> int:

@@ -201,6 +201,11 @@ class ZmqEventPublisher:
     def dp_rank(self) -> int:
         return self._dp_rank
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
     def publish(self, batch: KVEventBatch) -> int:
         """Encode, number, queue and remember ``batch``; return its seq.
 

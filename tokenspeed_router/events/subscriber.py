@@ -16,8 +16,12 @@ of :data:`SubscriberItem` s:
 
 Gap handling. On a gap (seq above the expected one) the subscriber asks the
 replay ROUTER for everything from the expected seq (``[b"", start_seq]``),
-holds the live messages that keep arriving, and merges: replayed batches
-first, then the held live ones, duplicates (same seq, same bytes) dropped.
+holds the live messages that keep arriving, and merges both by seq (a seq
+present in both is delivered once; a live copy arriving after the replay is
+recognised by its bytes and dropped). Seqs that neither the replay nor the
+live stream supplied are lost only if the live stream has already passed
+them; a ring that ran ahead of a lagging SUB socket is not a loss, the live
+stream still brings those batches.
 Both reply framings are accepted: vLLM/SGLang ``[b"", topic, seq, payload]``
 and TokenSpeed ``[b"", seq, payload]``, each with its end marker. Replays are
 asynchronous: ``poll``/``process_ready`` never wait for a reply longer than
@@ -25,15 +29,18 @@ they were asked to, and a replay that is not answered within
 ``replay_timeout_s`` counts as failed (the DEALER is then recreated, so a
 late answer can never be mistaken for the next one).
 
-Slow joiners. ZeroMQ drops what a PUB sends before the SUB connection is up,
-so the first seq seen is often not 0. With a replay endpoint the subscriber
-then replays from 0. If the publisher's ring no longer holds seq 0, this is a
+Joining. ZeroMQ drops what a PUB sends before the SUB connection is up (the
+"slow joiner"), and an idle publisher sends nothing at all. So, with a replay
+endpoint, the first ``process_ready`` asks for replay from 0 at once (the
+worker's current state arrives without waiting for its next event), and if
+the first live seq is still not the next one expected, the gap is replayed
+like any other. If the publisher's ring no longer holds seq 0, this is a
 fresh subscription to a long-running publisher: batches are delivered from
 the oldest one the ring still has, and *no* ResyncNeeded is reported for this
 very first connection (the caller starts from an empty view of the worker
 anyway, and reporting a resync every time a router starts would make every
-worker look broken; batches whose parents precede the ring surface later as
-unknown parents in the index). Without a replay endpoint (or if the first
+worker look broken; blocks whose parents precede the ring surface later as
+unknown parents in the index). Without a replay endpoint (or if that first
 replay is not answered) delivery starts at the first seq seen. Later gaps are
 always reported.
 
@@ -96,7 +103,9 @@ RESYNC_RING_EXHAUSTED: Final = "replay_ring_exhausted"
 RESYNC_REPLAY_INCOMPLETE: Final = "replay_incomplete"
 RESYNC_NO_REPLAY: Final = "no_replay_endpoint"
 
-_MAX_MESSAGES_PER_CALL = 4096
+#: Messages handled per process_ready() call: bounds the memory held by one
+#: returned list (decoded batches are large) and keeps a group's polling fair.
+_MAX_MESSAGES_PER_CALL = 256
 _TRACKER_WINDOW = 16_384
 _LOG_INTERVAL_S = 10.0
 
@@ -323,7 +332,7 @@ class EventSubscriber:
         """True when :meth:`process_ready` has work even without new input."""
         if self._closed:
             return False
-        if not self._started and self._start_seq is not None:
+        if not self._started and self._replay_endpoint is not None:
             return True
         if self._replay is None:
             return bool(self._held)
@@ -349,8 +358,7 @@ class EventSubscriber:
             return out
         if not self._started:
             self._started = True
-            if self._start_seq is not None:
-                self._begin_resume(out)
+            self._catch_up(out)
         self._pump_replay(out)
         self._drain_held(out)
         for _ in range(_MAX_MESSAGES_PER_CALL):
@@ -575,10 +583,17 @@ class EventSubscriber:
 
     # --------------------------------------------------------------- replay
 
-    def _begin_resume(self, out: list[SubscriberItem]) -> None:
-        assert self._start_seq is not None
-        if self._replay_endpoint is not None:
+    def _catch_up(self, out: list[SubscriberItem]) -> None:
+        """First call: fetch what the publisher already holds, without waiting for
+        live traffic (an idle worker would otherwise stay invisible until it
+        next publishes): from ``start_seq`` when resuming, else from 0."""
+        if self._replay_endpoint is None:
+            return
+        if self._start_seq is not None:
             self._start_replay(self._start_seq, _RESUME, None, out)
+        else:
+            self._joined = True  # live messages are held, then merged with the replay
+            self._start_replay(0, _JOIN, None, out)
 
     def _start_replay(
         self, start_seq: int, purpose: str, target_seq: int | None, out: list[SubscriberItem]
@@ -669,6 +684,11 @@ class EventSubscriber:
             else:
                 merged[message.seq] = message
         tracker = self._tracker
+        if replay.purpose == _JOIN and not merged:
+            # Nothing yet (empty ring, or no answer): the first live seq decides.
+            self._joined = False
+            tracker.reset()
+            return
         tracker.jump_to(start)
         first_replayed = replay.items[0].seq if replay.items else None
         fresh = replay.purpose == _JOIN  # very first connection: no resync for old history

@@ -99,6 +99,7 @@ _and = operator.and_
 _FIRST_CHUNK_BLOCKS = 32  # query hashing starts with this many blocks, then doubles
 _NUMPY_SPLIT_MIN = 6  # below this many blocks, slicing beats a numpy round trip
 _DUMP_EVENT_BLOCKS = 256
+_DUMP_PLACEHOLDER = b"tokenspeed_router.dump.block_size"
 _VDTYPES: dict[int, np.dtype[Any]] = {}
 
 
@@ -183,6 +184,11 @@ def _query_tokens(token_ids: Any, start: int, stop: int) -> Any:
         except (OverflowError, TypeError):
             pass  # fall through for the precise WireError
     return tokens_to_bytes(part)
+
+
+_ONE_STORED = ApplyStats(1, 1, 0, 0, 0, 0)
+#: media spellings that mean "GPU" on the one-block fast path
+_FAST_MEDIA: dict[str | None, bool] = {None: True, "GPU": True, "gpu": True}
 
 
 class _Worker:
@@ -351,6 +357,10 @@ class KvIndex:
         """
         events = batch.events
         ws = self._workers.get(worker)
+        if ws is not None and len(events) == 1 and type(events[0]) is BlockStored:
+            done = self._store_one_block(ws, events[0])
+            if done is not None:
+                return done
         created = ws is None
         if ws is None:
             ws = self._register(worker)
@@ -363,6 +373,11 @@ class KvIndex:
         stored = dup = removed = unknown = cleared = 0
         try:
             for ev in events:
+                if jr is None and type(ev) is BlockStored:
+                    one = self._store_one_block(ws, ev)  # parents were checked above
+                    if one is not None:
+                        stored += 1
+                        continue
                 if isinstance(ev, BlockStored):
                     s, d = self._store(ws, ev, jr)
                     stored += s
@@ -381,6 +396,47 @@ class KvIndex:
                 self._unregister(ws)
             raise
         return ApplyStats(len(events), stored, dup, removed, unknown, cleared)
+
+    def _store_one_block(self, ws: _Worker, ev: BlockStored) -> ApplyStats | None:
+        """Fast path for the commonest event while decoding: one new full GPU block.
+
+        Returns None (having changed nothing) whenever the general path is needed.
+        """
+        hashes = ev.block_hashes
+        toks = ev.token_ids
+        bs = ws.block_size
+        if (
+            len(hashes) != 1
+            or len(toks) != bs
+            or ev.block_size != bs
+            or ev.extra_keys is not None
+            or _FAST_MEDIA.get(ev.medium) is None
+        ):
+            return None
+        ext = ws.ext
+        e = hashes[0]
+        if e in ext:
+            return None
+        p = ev.parent_block_hash
+        if p is None:
+            h = self._root(lora_key(ev.lora_id, ev.lora_name), ev.cache_salt)
+        else:
+            pc = ext.get(p)
+            if pc is None:
+                ws.unknown_parents += 1
+                raise UnknownParentError(ws.name, p)
+            if pc < 0:
+                return None
+            h = pc
+        try:
+            c = _X(array.array("Q", toks), h)
+        except (OverflowError, TypeError):
+            return None
+        if c in self._holders:
+            return None
+        self._holders[c] = ws.bit
+        ext[e] = c
+        return _ONE_STORED
 
     def _prevalidate(self, ws: _Worker, events: Sequence[Event]) -> _Journal | None:
         """Check a batch before touching anything; say whether it needs a journal.
@@ -493,17 +549,29 @@ class KvIndex:
                 ap(~_X(tail, h))  # a partial tail never matches
             if neg:
                 cs = [c if c < 0 else ~c for c in cs]
-        if jr is None and n > 0:
-            d = dict(zip(hashes, cs))
-            if len(d) == n and ext.keys().isdisjoint(d):
-                if cs[0] >= 0 and cs[-1] >= 0 and code == GPU:
-                    holders = self._holders
-                    if holders.keys().isdisjoint(cs):
-                        holders.update(zip(cs, repeat(ws.bit)))
-                        ext.update(d)
-                        return n, 0
+        full = n if cs[-1] >= 0 else n - 1  # a partial tail goes through _hold
+        if (
+            jr is None
+            and full
+            and cs[0] >= 0
+            and cs[full - 1] >= 0
+            and code == GPU
+            and ext.keys().isdisjoint(hashes)
+            and self._holders.keys().isdisjoint(cs[:full] if full < n else cs)
+        ):
+            # Fresh blocks of a GPU-only store (the common case): bulk C updates.
+            before = len(ext)
+            ext.update(zip(hashes[:full], cs[:full], strict=True) if full < n else zip(hashes, cs, strict=True))
+            if len(ext) == before + full:
+                self._holders.update(zip(cs[:full] if full < n else cs, repeat(ws.bit)))
+                if full == n:
+                    return n, 0
+                new = full + self._hold(ws, hashes[-1], cs[-1], code, None)
+                return new, n - new
+            for e in hashes[:full]:  # an id repeated inside the event: take the careful path
+                ext.pop(e, None)
         new = 0
-        for e, c in zip(hashes, cs):
+        for e, c in zip(hashes, cs, strict=True):
             new += self._hold(ws, e, c, code, jr)
         return new, n - new
 
@@ -782,7 +850,7 @@ class KvIndex:
         while start < nfull:
             stop = min(nfull, start + size)
             buf = _query_tokens(token_ids, start * bs, stop * bs)
-            hs = []
+            hs: list[int] = []
             ap = hs.append
             for chunk in _split(buf, step, stop - start):
                 h = _X(chunk, h)
@@ -916,8 +984,8 @@ class KvIndex:
             try:
                 for i in w.unmatchable:
                     vals[i] = ~vals[i]
-                codes = dict(zip(w.tier_index, w.tier_code))
-                for i, (e, c) in enumerate(zip(w.ext, vals)):
+                codes = dict(zip(w.tier_index, w.tier_code, strict=True))
+                for i, (e, c) in enumerate(zip(w.ext, vals, strict=True)):
                     code = codes.get(i, GPU)
                     if not 0 < code <= ALL_TIERS:
                         raise SnapshotError(f"corrupt KvIndex snapshot: tier code {code}")
@@ -946,7 +1014,8 @@ class KvIndex:
         None``, so any order rebuilds the same state; GPU copies come first,
         then CPU, then storage (a second tier is a duplicate store that adds
         the tier). A worker without blocks gets one empty batch so that it
-        is registered again.
+        is registered again (with a placeholder block stored and removed when
+        its block size is known).
         """
         out: dict[str, list[KVEventBatch]] = {}
         for ws in self._workers.values():
@@ -971,6 +1040,18 @@ class KvIndex:
                             extra_keys=extra,
                         )
                     )
+            if not events and ws.block_size is not None:
+                # No blocks, but a known block size: store and drop a placeholder.
+                events = [
+                    BlockStored(
+                        block_hashes=[_DUMP_PLACEHOLDER],
+                        parent_block_hash=None,
+                        token_ids=[0],
+                        block_size=bs,
+                        extra_keys={DUMP_CONTENT_KEY: [0], DUMP_UNMATCHABLE_KEY: [0]},
+                    ),
+                    BlockRemoved(block_hashes=[_DUMP_PLACEHOLDER]),
+                ]
             batches = [KVEventBatch(0.0, events[i : i + 64]) for i in range(0, len(events), 64)]
             out[ws.name] = batches or [KVEventBatch(0.0, [])]
         return out

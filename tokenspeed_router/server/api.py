@@ -114,6 +114,8 @@ def decode_json(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         raise ApiError(400, f"invalid request: {err}") from None
     except msgspec.DecodeError as err:
         raise ApiError(400, f"malformed JSON: {err}") from None
+    except RecursionError:
+        raise ApiError(400, "malformed JSON: nested too deeply") from None
 
 
 def request_id_text(value: str | int | None, limits: ApiLimits) -> str | None:

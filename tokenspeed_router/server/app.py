@@ -27,10 +27,17 @@ directly. A replicated backend instead appends the item to its shared stream
 and, from whatever thread reads the stream back (every replica, leader
 included), calls :meth:`RouterService.apply_item` (a live item) or
 :meth:`RouterService.apply_record` (a recorded batch) — the only two ways
-into the index, both taking the lock. ``serve --state URL`` builds that sink
-with ``tokenspeed_router.state.create_ingest_sink(url, service)`` (a
-:data:`SinkFactory`). ``--record FILE`` wraps whatever sink is in use in a
-:class:`RecordingSink`, so the log holds exactly what came off the wire.
+into the index, both taking the lock. For multi-step work (snapshot, restore)
+it holds :meth:`RouterService.locked` and may use ``index``, ``ingestor``,
+:meth:`RouterService.replace_index` and :meth:`RouterService.ensure_worker_locked`.
+A sink whose ``manages_ingestion`` attribute is true starts with no
+subscription: it calls :meth:`RouterService.start_ingestion` (optionally from
+given seqs) when it becomes the leader and :meth:`RouterService.stop_ingestion`
+when it steps down. ``serve --state URL`` builds that sink with
+``tokenspeed_router.state.create_ingest_sink(url, service)`` (a
+:data:`SinkFactory`, called once from :meth:`RouterService.start`).
+``--record FILE`` wraps whatever sink is in use in a :class:`RecordingSink`,
+so the log holds exactly what came off the wire.
 """
 
 from __future__ import annotations
@@ -110,10 +117,14 @@ class RecordingSink:
     way (``IndexIngestor.on_record``).
     """
 
+    #: flush at least this often, so a crash loses at most this much of the log
+    FLUSH_INTERVAL_S = 1.0
+
     def __init__(self, inner: IngestSink, writer: EventLogWriter, metrics: ServiceMetrics | None = None) -> None:
         self._inner = inner
         self._writer = writer
         self._metrics = metrics
+        self._next_flush = time.monotonic() + self.FLUSH_INTERVAL_S
         self.records = 0
 
     def submit(self, item: SubscriberItem) -> None:
@@ -124,6 +135,10 @@ class RecordingSink:
             self.records += 1
             if self._metrics is not None:
                 self._metrics.record_bytes.inc(len(item.payload))
+            now = time.monotonic()
+            if now >= self._next_flush:
+                self._next_flush = now + self.FLUSH_INTERVAL_S
+                self._writer.flush()
         self._inner.submit(item)
 
     def close(self) -> None:
@@ -170,22 +185,29 @@ class RouterService:
         self._replayed: dict[str, int] = {}
         self._serving = False
         self._stopped = False
+        self._ingesting = False
+        self._state_health: Callable[[], dict[str, Any]] | None = None
 
     # --- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Build the sink, subscribe to the configured workers, start ingesting."""
+        """Register the configured workers, build the sink, subscribe, start ingesting."""
+        # Workers (and their roles) are known before the sink exists: a replicated
+        # sink may apply items from its shared stream as soon as it is built.
+        subs = self.config.subscribers()
+        for spec in self.config.workers:
+            self._specs[spec.name] = spec
+        self._register(subs)
         base = self._sink_factory(self) if self._sink_factory is not None else LocalIngestSink(self)
+        self._state_health = getattr(base, "health", None)  # state backend status for /health
         if self.config.record:
             meta = {"source": "tokenspeed-router serve", "workers": [w.to_dict() for w in self.config.workers]}
             self.recorder = RecordingSink(base, EventLogWriter(self.config.record, meta=meta), self.metrics)
             self._sink = self.recorder
         else:
             self._sink = base
-        subs = self.config.subscribers()
-        for spec in self.config.workers:
-            self._specs[spec.name] = spec
-        self._register(subs)
+        # A replicated backend subscribes only while it leads (start_ingestion/stop_ingestion).
+        self._ingesting = not getattr(base, "manages_ingestion", False)
         self._loop = IngestLoop(
             context=self._ctx,
             submit=self._submit,
@@ -195,7 +217,7 @@ class RouterService:
             replay_timeout_s=self.config.replay_timeout_s,
         )
         try:
-            self._loop.start(subs)
+            self._loop.start(subs if self._ingesting else [])
         except Exception:
             self._loop.stop()
             raise
@@ -237,6 +259,40 @@ class RouterService:
     def serving(self) -> bool:
         return self._serving
 
+    def start_ingestion(self, start_seqs: Mapping[str, int] | None = None, timeout_s: float = 10.0) -> None:
+        """Subscribe to every configured stream not yet subscribed (a leader taking over).
+
+        ``start_seqs[name]``: the first seq that stream still needs (the
+        subscriber asks the worker's replay ring for it at once).
+        """
+        loop = self._require_loop()
+        self._ingesting = True
+        subs = list(self._subs.values())
+        seqs = dict(start_seqs or {})
+
+        def open_missing() -> None:
+            have = set(loop.stream_names())
+            loop.open_streams([s for s in subs if s.name not in have], seqs)
+
+        loop.call(open_missing, timeout_s)
+        logger.info("ingestion started for %d stream(s)", len(subs))
+
+    def stop_ingestion(self, timeout_s: float = 10.0) -> None:
+        """Unsubscribe from every stream (a leader stepping down); the index is kept."""
+        loop = self._require_loop()
+        self._ingesting = False
+        loop.call(lambda: [loop.close_stream(n) for n in loop.stream_names()], timeout_s)
+        logger.info("ingestion stopped")
+
+    @property
+    def ingesting(self) -> bool:
+        return self._ingesting
+
+    def _require_loop(self) -> IngestLoop:
+        if self._loop is None or not self._loop.running:
+            raise ApiError(409, "the service is not running its ingestion loop")
+        return self._loop
+
     # --- the way into the index -------------------------------------------------------
 
     def _submit(self, item: SubscriberItem) -> None:
@@ -250,6 +306,9 @@ class RouterService:
             if isinstance(item, BatchReceived) and item.replayed:
                 self._replayed[item.worker] = self._replayed.get(item.worker, 0) + 1
             self.ingestor.on_item(item)
+        if isinstance(item, BatchReceived) and item.batch.ts > 0:
+            # publisher's timestamp -> visible to queries (same host clock assumed)
+            self.metrics.visible_delay.observe(max(0.0, self._wall_clock() - item.batch.ts))
 
     def apply_record(
         self, worker: str, seq: int, batch: KVEventBatch, recv_time_s: float, *, payload: bytes | None = None
@@ -267,6 +326,17 @@ class RouterService:
             self.router.add_worker(name, role)
             self.ingestor.add_worker(name)
             self._roles[name] = role
+            if self.ingestor.is_cold(name):
+                self.router.set_cold(name, True)
+
+    def ensure_worker_locked(self, name: str) -> None:
+        """Make ``name`` routable with its current ingestion state (caller holds :meth:`locked`).
+
+        For state backends that fold items into ``self.ingestor`` directly
+        (snapshot restore): the router learns the worker and its cold flag.
+        """
+        self._ensure_worker(name)
+        self.router.set_cold(name, self.ingestor.is_cold(name))
 
     def _on_state_change(self, worker: str, state: WorkerState) -> None:
         # called by the ingestor, under the lock
@@ -306,6 +376,9 @@ class RouterService:
             for sub in subs:
                 self._subs[sub.name] = sub
                 self._ensure_worker(sub.name)
+                if self._roles[sub.name] != sub.role:  # first seen in a stream, before its spec
+                    self.router.add_worker(sub.name, sub.role)
+                    self._roles[sub.name] = sub.role
             self.metrics.workers.set(len(self._subs))
 
     # --- queries ---------------------------------------------------------------------
@@ -394,7 +467,9 @@ class RouterService:
             "status": "ok" if self._serving or self._loop is None else "stopping",
             "uptime_s": round(time.monotonic() - self._started_s, 3),
             "workers": len(self._roles),
-            "ingesting": self._loop is not None and self._loop.running,
+            "ingesting": self._loop is not None and self._loop.running,  # the loop runs
+            "subscribed": self._ingesting,  # False while a replicated backend leads elsewhere
+            **({"state": self._state_health()} if self._state_health is not None else {}),
         }
 
     # --- run-time membership -----------------------------------------------------------
@@ -403,7 +478,9 @@ class RouterService:
         """Add or replace a configured worker; returns (created, stream names).
 
         Replacing a worker with a different spec drops its index entries (they
-        described the old streams). The same spec again is a no-op.
+        described the old streams). The same spec again is a no-op. While a
+        replicated backend holds ingestion elsewhere, the worker is registered
+        and subscribed at the next :meth:`start_ingestion`.
         """
         if self._loop is None or not self._loop.running:
             raise ApiError(409, "the service is not ingesting (no run-time workers here)")
@@ -428,7 +505,8 @@ class RouterService:
             self.delete_worker(spec.name, timeout_s)
         loop = self._loop
         try:
-            loop.call(lambda: loop.open_streams(new_subs), timeout_s)
+            if self._ingesting:
+                loop.call(lambda: loop.open_streams(new_subs), timeout_s)
         except (ConfigError, zmq.ZMQError, ValueError) as err:
             raise ApiError(400, f"cannot subscribe to worker {spec.name!r}: {err}") from None
         self._specs[spec.name] = spec
@@ -439,8 +517,11 @@ class RouterService:
     def delete_worker(self, name: str, timeout_s: float = 10.0) -> list[str]:
         """Unsubscribe and forget a worker (a configured name or one stream name)."""
         spec = self._specs.get(name)
+        sub = self._subs.get(name)
         if spec is not None:
             names = [s.name for s in spec.subscribers()]
+        elif sub is not None and sub.worker in self._specs:
+            raise ApiError(409, f"{name!r} is one rank of worker {sub.worker!r}: delete {sub.worker!r}")
         elif name in self._roles or name in self._subs:
             names = [name]
         else:

@@ -132,15 +132,23 @@ def shutdown_signals(on_signal: Callable[[], None]) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenspeed_router.server.app import RouterService
-    from tokenspeed_router.server.http import HttpServer
-    from tokenspeed_router.server.zmq_api import ZmqApiServer
-
     config = config_from_args(args)
     if not config.workers:
         logger.warning("no workers configured: add them with PUT /workers/{name} or --worker")
     sink_factory = resolve_state_sink(config.state) if config.state else None
+    previous_interval = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    try:
+        return _serve(config, sink_factory)
+    finally:
+        sys.setswitchinterval(previous_interval)
+
+
+def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None) -> int:
+    from tokenspeed_router.server.app import RouterService
+    from tokenspeed_router.server.http import HttpServer
+    from tokenspeed_router.server.zmq_api import ZmqApiServer
+
     service = RouterService(config, sink_factory=sink_factory)
     http: HttpServer | None = None
     zmq_api: ZmqApiServer | None = None

@@ -14,6 +14,8 @@ dropped instead of being returned for the next call. One client per thread
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -182,6 +184,20 @@ class HttpRouterClient:
 
     def health(self) -> Any:
         return self._answer(self._http.get("/health"))
+
+    def wait_ready(self, timeout_s: float = 30.0) -> Any:
+        """Poll ``/health`` until the router answers (deploy scripts, examples); returns it."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        pause = threading.Event()
+        while True:
+            try:
+                return self.health()
+            except (httpx.TransportError, RouterApiError):
+                if time.monotonic() > deadline:
+                    raise
+                pause.wait(0.05)
 
     def put_worker(self, name: str, spec: dict[str, Any]) -> Any:
         return self._answer(self._http.put(f"/workers/{name}", content=self._enc.encode(spec)))

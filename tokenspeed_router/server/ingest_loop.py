@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +40,9 @@ __all__ = ["IngestLoop", "StreamState"]
 
 logger = logging.getLogger(__name__)
 
-_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+_MONITOR_EVENTS = (
+    zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+)
 _POLL_MS = 20
 _STALE_CHECK_S = 0.05
 
@@ -123,12 +125,12 @@ class IngestLoop:
 
     # --- stream management (ingestion thread only) ----------------------------------
 
-    def open_streams(self, specs: list[SubscriberSpec]) -> None:
-        """Subscribe to each spec; on failure close the ones opened by this call."""
+    def open_streams(self, specs: list[SubscriberSpec], start_seqs: Mapping[str, int] | None = None) -> None:
+        """Subscribe to each spec (from ``start_seqs[name]`` when given); all or nothing."""
         opened: list[str] = []
         try:
             for spec in specs:
-                self._open(spec)
+                self._open(spec, (start_seqs or {}).get(spec.name))
                 opened.append(spec.name)
         except BaseException:
             for name in opened:
@@ -165,7 +167,7 @@ class IngestLoop:
     def _open_all(self, specs: list[SubscriberSpec]) -> None:
         self.open_streams(specs)
 
-    def _open(self, spec: SubscriberSpec) -> None:
+    def _open(self, spec: SubscriberSpec, start_seq: int | None = None) -> None:
         sub = EventSubscriber(
             spec.name,
             spec.events,
@@ -174,11 +176,16 @@ class IngestLoop:
             context=self._ctx,
             replay_timeout_s=self._replay_timeout_s,
             max_payload_bytes=self._max_payload_bytes,
+            start_seq=start_seq,
         )
         monitor: zmq.Socket[bytes] | None = None
         if not spec.events.startswith("inproc://"):
             monitor = sub.socket.get_monitor_socket(_MONITOR_EVENTS)
-        state = StreamState(spec=spec, subscriber=sub, monitor=monitor, connected=monitor is None)
+        # The subscriber connected in its constructor, before the monitor existed, so
+        # a quick EVENT_CONNECTED may already be gone: start optimistic and let
+        # EVENT_CONNECT_RETRIED (sent every reconnect interval while the endpoint is
+        # unreachable) or EVENT_DISCONNECTED say otherwise.
+        state = StreamState(spec=spec, subscriber=sub, monitor=monitor, connected=True)
         self._streams[spec.name] = state
         self._by_socket[sub.socket] = state
         self._poller.register(sub.socket, zmq.POLLIN)
@@ -293,7 +300,7 @@ class IngestLoop:
             event = msg.get("event")
             if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
                 self._set_connected(stream, True)
-            elif event == zmq.EVENT_DISCONNECTED:
+            elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):
                 self._set_connected(stream, False)
 
     def _set_connected(self, stream: StreamState, connected: bool) -> None:
@@ -306,7 +313,7 @@ class IngestLoop:
             logger.info("worker=%s connected to %s", stream.spec.name, stream.spec.events)
         else:
             stream.down_since_s = time.monotonic()
-            logger.warning("worker=%s lost its connection to %s", stream.spec.name, stream.spec.events)
+            logger.warning("worker=%s not connected to %s (retrying)", stream.spec.name, stream.spec.events)
 
     def _check_stale(self, now: float) -> None:
         for stream in self._streams.values():

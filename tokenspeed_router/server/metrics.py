@@ -150,6 +150,12 @@ class ServiceMetrics:
             "tokenspeed_ingest_errors", "items the ingestion loop failed to apply", registry=r
         )
         self.workers = Gauge("tokenspeed_workers", "configured subscriber streams", registry=r)
+        self.visible_delay = Histogram(
+            "tokenspeed_ingest_visible_delay_seconds",
+            "batch timestamp (publisher clock) to applied in the index (meaningful on one host / NTP)",
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0, 5.0),
+            registry=r,
+        )
         self._decisions: dict[str, Any] = {}
         self._hits: dict[str, Any] = {}
 

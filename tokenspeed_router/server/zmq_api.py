@@ -142,6 +142,8 @@ class ZmqApiServer:
                 raise ApiError(400, f"invalid request: {err}") from None
             except msgspec.DecodeError as err:
                 raise ApiError(400, f"malformed msgpack: {err}") from None
+            except RecursionError:
+                raise ApiError(400, "malformed msgpack: nested too deeply") from None
             req_id = req.id
             if not isinstance(req, ZmqHealth):  # health stays open, as over HTTP
                 check_bearer(req.auth, self._expected, header=False)
@@ -159,7 +161,7 @@ class ZmqApiServer:
         """The ``id`` of a request that failed validation, so the client can match the error."""
         try:
             raw = self._any.decode(payload)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             return None
         ident = raw.get("id") if isinstance(raw, dict) else None
         return ident if isinstance(ident, (int, str)) and not isinstance(ident, bool) else None

@@ -105,6 +105,7 @@ class LiveCluster:
         worker_names: Sequence[str],
         *,
         roles: dict[str, str] | None = None,
+        router_options: dict[str, Any] | None = None,
         startup_timeout_s: float = 30.0,
         log_dir: Path | None = None,
         python: str = sys.executable,
@@ -129,6 +130,8 @@ class LiveCluster:
             self.base_url = f"http://127.0.0.1:{self.http_port}"
             cmd = [python, "-m", "tokenspeed_router.cli", "--log-level", "WARNING", "serve",
                    "--http", f"127.0.0.1:{self.http_port}"]
+            for key, value in (router_options or {}).items():
+                cmd += ["--router-option", f"{key}={json.dumps(value)}"]
             for name, pub in self.publishers.items():
                 role = (roles or {}).get(name, "both")
                 cmd += ["--worker", f"name={name},events={pub.endpoint},"

@@ -115,7 +115,7 @@ class OracleBackend:
         best_cost = float("inf")
         pages = _Pages(tokens)
         for w in self._view.prefill_workers():
-            hit = probe_hit_tokens(w.cache, pages.get(w.cache.page_size))
+            hit = probe_pages(w.cache, pages.get(w.cache.page_size))
             est = w.backlog_s(now) + self._cost.prefill_s(request.input_length - hit)
             if est < best_cost - 1e-12:
                 best, best_cost = [(w, hit)], est
@@ -125,7 +125,7 @@ class OracleBackend:
         decode = None
         decoders = self._view.decode_workers()
         if decoders:
-            d_hits = [(probe_hit_tokens(d.cache, pages.get(d.cache.page_size)), -d.num_requests, d.name)
+            d_hits = [(probe_pages(d.cache, pages.get(d.cache.page_size)), -d.num_requests, d.name)
                       for d in decoders]
             decode = max(d_hits)[2]
         return RouteChoice(worker=worker.name, decode_worker=decode, predicted_hit_tokens=hit)
@@ -144,10 +144,10 @@ class _Pages:
     """A prompt cut into page tuples once per page size (shared by all probes)."""
 
     def __init__(self, tokens: np.ndarray) -> None:
-        self._tokens = tokens.tolist()
-        self._by_size: dict[int, list[tuple[int, ...]]] = {}
+        self._tokens = tokens
+        self._by_size: dict[int, list[Any]] = {}
 
-    def get(self, page_size: int) -> list[tuple[int, ...]]:
+    def get(self, page_size: int) -> list[Any]:
         got = self._by_size.get(page_size)
         if got is None:
             from tokenspeed_router.cache.tree import paginate
@@ -162,11 +162,16 @@ def probe_hit_tokens(cache: Any, tokens: Any) -> int:
     ``PrefixCache.match_prefix`` touches access times and splits nodes, which
     would refresh LRU state on every worker the oracle merely looks at; this
     walks the radix tree read-only instead (full pages only, like a match).
-    ``tokens`` may be token ids or a list of page tuples.
     """
-    from tokenspeed_router.cache.tree import key_match, paginate
+    from tokenspeed_router.cache.tree import paginate
 
-    pages = paginate(tokens, cache.page_size)
+    return probe_pages(cache, paginate(tokens, cache.page_size))
+
+
+def probe_pages(cache: Any, pages: list[Any]) -> int:
+    """:func:`probe_hit_tokens` for a prompt already cut into the cache's page keys."""
+    from tokenspeed_router.cache.tree import key_match
+
     node = cache.root_node
     i = 0
     while i < len(pages):

@@ -14,6 +14,7 @@ from tokenspeed_router.state.applier import IndexHost, LocalIndexHost, StreamApp
 from tokenspeed_router.state.config import RedisStateConfig, StateKeys
 from tokenspeed_router.state.health import StateHealth, WarmStartReport
 from tokenspeed_router.state.replica import IngestionControl, RedisStateReplica
+from tokenspeed_router.state.service import RedisIngestSink, create_ingest_sink
 from tokenspeed_router.state.stream import FencedError, GenerationError
 
 __all__ = [
@@ -22,10 +23,12 @@ __all__ = [
     "IndexHost",
     "IngestionControl",
     "LocalIndexHost",
+    "RedisIngestSink",
     "RedisStateConfig",
     "RedisStateReplica",
     "StateHealth",
     "StateKeys",
     "StreamApplier",
     "WarmStartReport",
+    "create_ingest_sink",
 ]

@@ -114,6 +114,9 @@ class StreamApplier:
         self._lags: deque[float] = deque(maxlen=lag_window)
         self._lags_lock = threading.Lock()
         self._decoder = BatchDecoder()
+        #: Workers cleared because stream entries were lost (trimmed) before we read them.
+        self.gap_workers: set[str] = set()
+        self._gap_reason: str | None = None
 
     # ------------------------------------------------------------------ apply
 
@@ -133,6 +136,11 @@ class StreamApplier:
         if last is not None and position <= last:
             self.duplicates += 1
             return False
+        if last is None and self._gap_reason is not None and meta.kind != "restart":
+            # First seen after lost entries: its history may be among them.
+            self.gap_workers.add(meta.worker)
+            self.host.apply_item(
+                ResyncNeeded(meta.worker, 0, max(0, meta.seq), self._gap_reason, meta.epoch))
         item = self._item(entry)
         if item is not None:
             try:
@@ -170,8 +178,10 @@ class StreamApplier:
 
     def mark_all_resyncing(self, reason: str) -> list[str]:
         """Entries were lost for unknown workers: clear every worker and mark it resyncing."""
+        self._gap_reason = reason
         with self.host.locked():
             workers = sorted(set(self.host.index.workers()) | set(self.positions))
+        self.gap_workers.update(workers)
         for worker in workers:
             epoch, seq = self.positions.get(worker, (0, -1))
             self.host.apply_item(ResyncNeeded(worker, seq + 1, seq + 1, reason, epoch))
@@ -213,18 +223,20 @@ class StreamApplier:
         )
         return envelope, num_blocks
 
-    def install(self, envelope: SnapshotEnvelope) -> None:
+    def install(self, envelope: SnapshotEnvelope, *, fresh: bool) -> None:
         """Make the index equal to ``envelope`` and resume reading after it.
 
-        A host with ``replace_index`` adopts the restored index object
-        outright (fast); otherwise the live index is rewritten in place from
-        the snapshot's events, so references the router holds stay valid.
+        ``fresh`` (the warm start, before serving): a host with
+        ``replace_index`` adopts the restored index object outright, the fast
+        path. Otherwise (a reload while serving, after Redis lost the stream
+        or entries were trimmed) the live index is rewritten in place from
+        the snapshot's events, so what the router holds stays valid.
         """
         from tokenspeed_router.router.index import KvIndex
 
         restored = KvIndex.restore(envelope.index)
         host = self.host
-        replace = getattr(host, "replace_index", None)
+        replace = getattr(host, "replace_index", None) if fresh else None
         with host.locked():
             if replace is not None:
                 replace(restored)
@@ -237,6 +249,8 @@ class StreamApplier:
                     ensure(worker)
         with self._pos_lock:
             self.positions = envelope.position_map()
+        self.gap_workers.clear()
+        self._gap_reason = None
         self.generation = envelope.generation
         self.n = envelope.n
         self.last_id = envelope.stream_id.encode()
@@ -276,6 +290,20 @@ class StreamApplier:
                 ingestor.mark_live(worker)
 
     # ------------------------------------------------------------------- stats
+
+    @property
+    def gap_reason(self) -> str | None:
+        """Set once entries were lost to trimming (until a snapshot is installed)."""
+        return self._gap_reason
+
+    def still_resyncing(self, workers: set[str]) -> list[str]:
+        """Those of ``workers`` the ingestor does not consider live yet."""
+        if not workers:
+            return []
+        with self.host.locked():
+            statuses = self.host.ingestor.statuses()
+        return sorted(w for w in workers
+                      if w in statuses and str(getattr(statuses[w].state, "value", "")) != "live")
 
     def apply_lag_percentiles(self) -> tuple[float | None, float | None]:
         """p50 and p99 of (apply time - leader accept time) over recent entries."""

@@ -86,11 +86,13 @@ class StreamFollower:
         self.last_error: str | None = None
         self.stream_end_n = 0
         self.stream_gaps = 0
-        self.gap_workers: tuple[str, ...] = ()
         self.resets_detected = 0
         self.snapshots_written = 0
         self.snapshot_version_loaded: int | None = None
         self.warm_start_report: WarmStartReport | None = None
+        #: Set by any thread to have the loop write a snapshot at its next turn.
+        self.force_snapshot = False
+        self._warming = False
 
     # --------------------------------------------------------------- lifecycle
 
@@ -101,6 +103,7 @@ class StreamFollower:
         catches up when Redis answers.
         """
         t0 = time.perf_counter()
+        self._warming = True
         try:
             loaded = self._bootstrap()
             t1 = time.perf_counter()
@@ -117,6 +120,8 @@ class StreamFollower:
                                      time.perf_counter() - t0, 0)
             self.warm_start_report = report
             return report
+        finally:
+            self._warming = False
         t2 = time.perf_counter()
         source: Literal["snapshot", "stream", "empty"] = "empty"
         if loaded is not None and loaded[0] > 0:
@@ -200,7 +205,11 @@ class StreamFollower:
         entries = reply[0][1]
         generation = applier.generation
         for stream_id, fields in entries:
-            entry = decode_entry(stream_id, fields)
+            try:
+                entry = decode_entry(stream_id, fields)
+            except StateBackendError as err:
+                self._skip_foreign(stream_id, fields, err)
+                continue
             if entry.generation != generation:
                 self._on_generation(entry.generation)
                 return len(entries)
@@ -214,6 +223,18 @@ class StreamFollower:
         self.stream_end_n = max(self.stream_end_n, applier.n)
         self._maybe_snapshot()
         return len(entries)
+
+    def _skip_foreign(self, stream_id: bytes, fields: dict[bytes, bytes], err: Exception) -> None:
+        """An entry we cannot read (written by something else): step over it, loudly."""
+        self.applier.undecodable += 1
+        self.applier.last_id = stream_id
+        try:
+            n = int(fields[b"n"])
+        except (KeyError, ValueError):
+            n = None
+        if n is not None and n == self.applier.n + 1:
+            self.applier.n = n  # counted, so the next entry is not taken for a gap
+        logger.error("state follower: skipping unreadable stream entry: %s", err)
 
     def _periodic(self) -> None:
         """Every half second: is our generation still current, how long is the stream."""
@@ -264,7 +285,7 @@ class StreamFollower:
             self.waiting = "stream generation has no snapshot yet"
             return None  # a re-seed is racing with us: try again on the next turn
         meta, envelope = loaded
-        self.applier.install(envelope)
+        self.applier.install(envelope, fresh=self._warming)
         self.snapshot_version_loaded = meta.version
         self.stream_end_n = max(meta.n, self.stream_end_n)
         self._last_snapshot_mono = time.monotonic()
@@ -314,7 +335,6 @@ class StreamFollower:
             self._bootstrap()
             return True
         workers = applier.mark_all_resyncing(RESYNC_STREAM_TRIMMED)
-        self.gap_workers = tuple(workers)
         logger.error(
             "state follower: %d stream entries were trimmed (MAXLEN) before this replica read "
             "them and no snapshot covers them; %d workers marked resyncing. Raise maxlen or "
@@ -330,11 +350,13 @@ class StreamFollower:
         if applier.since_snapshot == 0 or applier.generation is None:
             return
         now = time.monotonic()
-        if (applier.since_snapshot < config.snapshot_every_batches
+        forced = self.force_snapshot
+        if (not forced and applier.since_snapshot < config.snapshot_every_batches
                 and now - self._last_snapshot_mono < config.snapshot_every_s):
             return
+        self.force_snapshot = False
         meta = self._store.meta()
-        if meta is not None and meta.generation == applier.generation:
+        if not forced and meta is not None and meta.generation == applier.generation:
             age_s = max(0.0, time.time() - meta.created_s)
             behind = applier.n - meta.n
             if behind < config.snapshot_every_batches and age_s < config.snapshot_every_s:

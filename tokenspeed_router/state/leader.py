@@ -6,7 +6,9 @@ writer thread appends buffered entries in batches through the fenced script.
 
 Why a buffer: while Redis is unreachable the leader keeps receiving from the
 workers. It holds up to ``buffer_size`` entries and appends them when Redis
-answers again. Beyond that it drops, counts what it dropped, and for each
+answers again. (While Redis answers, a full buffer only means a burst outran
+the writer: ``submit`` then waits for room, up to the socket timeout.) Beyond
+that it drops, counts what it dropped, and for each
 affected worker appends a ``resync`` entry before that worker's next item,
 so every replica clears the worker and marks it resyncing instead of
 applying batches on top of a hole.
@@ -199,21 +201,35 @@ class LeaderWriter:
                 self.ignored_not_leader += 1
                 return
             epoch = self._base.get(worker, 0) + item.epoch
+            if len(self._buffer) >= self._config.buffer_size and self.connected:
+                # Redis answers: a burst (a replay) outran the writer; wait for room
+                # (backpressure on the ingestion thread) rather than drop.
+                deadline = time.monotonic() + self._config.socket_timeout_s
+                while (len(self._buffer) >= self._config.buffer_size and self.connected
+                       and self._accepting and time.monotonic() < deadline):
+                    self._cond.wait(0.01)
+                if not self._accepting:
+                    self.ignored_not_leader += 1
+                    return
             room = self._config.buffer_size - len(self._buffer)
-            pending = self._pending_resync.get(worker)
-            if pending is not None and room >= 2:
-                del self._pending_resync[worker]
+            if worker in self._pending_resync and room >= 2:
+                pending = self._pending_resync.pop(worker)
                 if not isinstance(item, PublisherRestarted):  # a restart clears anyway
-                    p_epoch, first, last = pending
-                    meta = EntryMeta("resync", worker, p_epoch, last + 1, now, a=first, b=last + 1,
-                                     reason=RESYNC_LEADER_BUFFER_FULL, leader_time_s=now)
-                    self._buffer.append((worker, encode_meta(meta), b""))
-                room -= 1
+                    self._buffer.append(_resync_marker(worker, pending, now))
+                    room -= 1
             if room <= 0 or worker in self._pending_resync:
                 self._drop(worker, epoch, _position_seq(item))
                 return
             self._buffer.append(_encode(item, epoch, now))
             self._cond.notify()
+
+    def _flush_pending_resyncs(self) -> None:
+        """Queue the resync markers of workers that sent nothing since their drop (lock held)."""
+        now = time.time()
+        while self._pending_resync and len(self._buffer) < self._config.buffer_size:
+            worker, pending = next(iter(self._pending_resync.items()))
+            del self._pending_resync[worker]
+            self._buffer.append(_resync_marker(worker, pending, now))
 
     def _drop(self, worker: str, epoch: int, pos_seq: int) -> None:
         if self.dropped == 0 or worker not in self.dropped_workers:
@@ -291,12 +307,21 @@ class LeaderWriter:
                         self._window.popleft()
                         self.window_overflow += 1
                     self.appended += len(chunk)
+                    self._flush_pending_resyncs()
                 self._cond.notify_all()
 
     def _set_in_flight(self, value: int) -> None:
         with self._cond:
             self._in_flight = value
             self._cond.notify_all()
+
+
+def _resync_marker(worker: str, pending: tuple[int, int, int], now: float) -> _Pending:
+    """A resync entry covering the dropped positions ``first..last`` of ``worker``."""
+    epoch, first, last = pending
+    meta = EntryMeta("resync", worker, epoch, last + 1, now, a=first, b=last + 1,
+                     reason=RESYNC_LEADER_BUFFER_FULL, leader_time_s=now)
+    return worker, encode_meta(meta), b""
 
 
 def _encode(item: SubscriberItem, epoch: int, now: float) -> _Pending:

@@ -81,6 +81,8 @@ class RedisStateReplica:
         self.lease_connected = True
         self.last_error: str | None = None
         self.start_seqs: dict[str, int] = {}
+        #: The lease holder as last seen by the lease loop (ourselves while leading).
+        self.leader_id: str | None = None
 
     # --------------------------------------------------------------- lifecycle
 
@@ -103,14 +105,15 @@ class RedisStateReplica:
         if self._closed:
             return
         self._closed = True
-        if self._role == "leader":
-            self.writer.wait_flushed(flush_timeout_s)
-        self._stop.set()
+        self._stop.set()  # no takeover or step-down from now on
         self._wake.set()
         if self._thread is not None:
             self._thread.join(5.0)
         if self._role == "leader":
-            self._stop_ingestion()
+            self._stop_ingestion()  # nothing new comes in; what came is flushed
+            if not self.writer.wait_flushed(flush_timeout_s):
+                logger.warning("state: %d entries not flushed at shutdown; the next leader "
+                               "replays them from the workers", self.writer.buffered)
             try:
                 self._lease.release()
             except self._errors as err:
@@ -154,8 +157,7 @@ class RedisStateReplica:
 
     def write_snapshot_soon(self) -> None:
         """Ask for a snapshot at the next opportunity (operators, tests)."""
-        self.applier.since_snapshot = max(self.applier.since_snapshot,
-                                          self.config.snapshot_every_batches)
+        self.follower.force_snapshot = True
 
     # -------------------------------------------------------------- lease loop
 
@@ -177,6 +179,9 @@ class RedisStateReplica:
                     token = self._lease.try_acquire(floor=self.applier.max_fence)
                     if token is not None:
                         self._take_over(token)
+                    else:
+                        holder = self._lease.holder()
+                        self.leader_id = holder.replica_id if holder is not None else None
                 if not self.lease_connected:
                     logger.info("state lease: Redis reachable again")
                 self.lease_connected = True
@@ -220,13 +225,13 @@ class RedisStateReplica:
         base = {w: p[0] for w, p in positions.items()}
         self.start_seqs = {w: p[1] + 1 for w, p in positions.items()}
         self.writer.activate(self.applier.generation, base)
-        self._role = "leader"
         self._last_renew = time.monotonic()
         self.takeovers += 1
         logger.warning("state: this replica (%s) is now the ingestion leader (fence %d)",
                        self.config.replica_id, token)
         if self._ingestion is not None:
             self._ingestion[0](dict(self.start_seqs))
+        self._role = "leader"
 
     def _wait_caught_up(self) -> bool:
         """Wait (renewing) until the follower applied everything written before our fence."""
@@ -289,8 +294,11 @@ class RedisStateReplica:
             reasons.append(follower.waiting)
         if writer.dropped:
             reasons.append(f"leader dropped {writer.dropped} entries")
-        if follower.gap_workers:
-            reasons.append("stream entries trimmed before they were read")
+        if applier.gap_reason is not None:
+            hurt = applier.still_resyncing(set(applier.gap_workers))
+            if hurt:
+                reasons.append("stream entries were trimmed before they were read; resyncing: "
+                               + ", ".join(hurt))
         lag_entries = max(0, follower.stream_end_n - applier.n)
         lag_s = 0.0
         if lag_entries and applier.last_leader_time_s:
@@ -304,7 +312,7 @@ class RedisStateReplica:
             degraded=bool(reasons),
             reason="; ".join(reasons) or None,
             connected=connected,
-            leader_id=self.config.replica_id if self._role == "leader" else None,
+            leader_id=self.config.replica_id if self._role == "leader" else self.leader_id,
             fence=writer.fence,
             generation=applier.generation,
             applied_n=applier.n,

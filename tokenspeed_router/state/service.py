@@ -1,0 +1,157 @@
+"""``serve --state redis://...``: plug a replica into the router service.
+
+The router service (``tokenspeed_router.server.app``) calls
+:func:`create_ingest_sink` once from ``RouterService.start``. The sink:
+
+* warm-starts the service's index from the latest snapshot + stream tail
+  (before the service serves, through ``replace_index``);
+* is the service's ``IngestSink``: what the service's subscribers receive
+  goes to the stream (only the leader subscribes: ``manages_ingestion``);
+* applies the stream back into the service (``apply_item``, under its lock);
+* subscribes (``start_ingestion`` from the stream's last seqs) when this
+  replica takes the lease, unsubscribes when it loses it;
+* reports role, degradation and lag (``health()``; a Prometheus collector on
+  the service's registry for ``/metrics``).
+
+The service is used duck-typed (``index``, ``ingestor``, ``apply_item``,
+``locked``, ``replace_index``, ``ensure_worker_locked``, ``start_ingestion``,
+``stop_ingestion``, ``health``, ``metrics``), so this package does not
+import the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from tokenspeed_router.events.subscriber import SubscriberItem
+from tokenspeed_router.state.config import RedisStateConfig
+from tokenspeed_router.state.replica import RedisStateReplica
+
+__all__ = ["RedisIngestSink", "StateCollector", "create_ingest_sink"]
+
+logger = logging.getLogger(__name__)
+
+_LOOP_WAIT_S = 30.0
+
+
+class RedisIngestSink:
+    """The service's ingest sink in Redis mode (see the module docstring)."""
+
+    #: The service starts with no subscription; we subscribe while we lead.
+    manages_ingestion = True
+
+    def __init__(self, replica: RedisStateReplica, service: Any) -> None:
+        self.replica = replica
+        self._service = service
+        self._stop = threading.Event()
+
+    def submit(self, item: SubscriberItem) -> None:
+        self.replica.submit(item)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.replica.close()
+
+    def health(self) -> dict[str, object]:
+        """The ``state`` part of ``/health``."""
+        return self.replica.health().to_dict()
+
+    # ingestion control, called from the replica's lease thread
+
+    def start_ingestion(self, start_seqs: Mapping[str, int]) -> None:
+        # The lease may be won while the service is still starting its loop.
+        deadline = time.monotonic() + _LOOP_WAIT_S
+        while not self._service.health().get("ingesting") and time.monotonic() < deadline:
+            if self._stop.wait(0.02):
+                return
+        self._service.start_ingestion(start_seqs)
+
+    def stop_ingestion(self) -> None:
+        if self._service.health().get("ingesting"):
+            self._service.stop_ingestion()
+
+
+def create_ingest_sink(url: str, service: Any) -> RedisIngestSink:
+    """Build, warm-start and run the Redis state replica for ``service`` (SinkFactory)."""
+    config = RedisStateConfig.from_url(url)
+    replica = RedisStateReplica(config, service)
+    sink = RedisIngestSink(replica, service)
+    replica.set_ingestion((sink.start_ingestion, sink.stop_ingestion))
+    metrics = getattr(service, "metrics", None)
+    if metrics is not None and hasattr(metrics, "add_collector"):
+        metrics.add_collector(StateCollector(replica))
+    report = replica.start()
+    logger.info("state: replica %s on %s (cluster %s): warm start %s in %.3fs, %d blocks",
+                config.replica_id, _redact(config.url), config.cluster, report.source,
+                report.total_s, report.num_blocks)
+    return sink
+
+
+def _redact(url: str) -> str:
+    """The URL without a password, for logs."""
+    head, sep, tail = url.partition("@")
+    if not sep:
+        return url
+    scheme, _, _creds = head.partition("://")
+    return f"{scheme}://***@{tail}"
+
+
+class StateCollector:
+    """Prometheus metrics of the state backend, sampled at scrape time."""
+
+    def __init__(self, replica: RedisStateReplica) -> None:
+        self._replica = replica
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        h = self._replica.health()
+        role = GaugeMetricFamily("tokenspeed_state_role", "1 for this replica's current role",
+                                 labels=["role"])
+        for name in ("leader", "follower", "starting", "stopped"):
+            role.add_metric([name], 1.0 if h.role == name else 0.0)
+        yield role
+        gauges = {
+            "tokenspeed_state_degraded": ("1 while Redis is unreachable or state is incomplete",
+                                          float(h.degraded)),
+            "tokenspeed_state_connected": ("1 while Redis answers", float(h.connected)),
+            "tokenspeed_state_stream_lag_entries": ("stream entries not yet applied here",
+                                                    float(h.stream_lag_entries)),
+            "tokenspeed_state_stream_lag_seconds": ("age of the oldest unapplied entry",
+                                                    h.stream_lag_s),
+            "tokenspeed_state_leader_buffered": ("entries the leader holds for Redis",
+                                                 float(h.buffered)),
+            "tokenspeed_state_fence": ("fencing token while leading (0 otherwise)",
+                                       float(h.fence or 0)),
+        }
+        if h.apply_lag_p99_s is not None:
+            gauges["tokenspeed_state_apply_lag_p99_seconds"] = (
+                "leader accept -> applied here, p99 of recent entries", h.apply_lag_p99_s)
+        if h.warm_start is not None:
+            gauges["tokenspeed_state_warm_start_seconds"] = (
+                "time to warm at start (snapshot + stream tail)", h.warm_start.total_s)
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "tokenspeed_state_entries_applied": ("stream entries applied", h.entries_applied),
+            "tokenspeed_state_duplicates_skipped": ("stream entries skipped as already applied",
+                                                    h.duplicates_skipped),
+            "tokenspeed_state_stream_gaps": ("times entries were trimmed before being read",
+                                             h.stream_gaps),
+            "tokenspeed_state_stream_resets": ("times the stream generation changed",
+                                               h.resets_detected),
+            "tokenspeed_state_snapshots_written": ("snapshots written", h.snapshots_written),
+            "tokenspeed_state_appended": ("entries appended as leader", h.appended),
+            "tokenspeed_state_dropped": ("entries dropped: leader buffer full, Redis down",
+                                         h.dropped),
+            "tokenspeed_state_takeovers": ("times this replica became the leader", h.takeovers),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=float(value))
