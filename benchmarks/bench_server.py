@@ -191,8 +191,13 @@ def _run_zmq(endpoint: str, prompts: list[list[int]], window: int, duration_s: f
             i += 1
             next_t += interval
             now = time.perf_counter()
-        timeout = 50 if not interval else max(0, int((next_t - time.perf_counter()) * 1000))
-        if poller.poll(timeout if sent else min(timeout, 1)):
+        # Block (never spin: the router needs the CPU): until a reply, or about when the
+        # next request is due (1 ms granularity; latency is timed from the actual send).
+        if not interval or len(sent) >= window:
+            timeout = 50
+        else:
+            timeout = max(1, int((next_t - time.perf_counter()) * 1000 + 0.999))
+        if poller.poll(timeout):
             while True:
                 try:
                     msg = sock.recv(zmq.NOBLOCK)
@@ -303,7 +308,7 @@ class Streamer:
 
         self.stores: list[list[Any]] = []
         self.removes: list[list[Any]] = []
-        for w in range(num_workers):
+        for w in range(max(1, num_workers)):
             st, rm = [], []
             for c in range(POOL):
                 toks = _tokens(w * POOL + c, CHAIN_BLOCKS * BLOCK)
@@ -312,7 +317,7 @@ class Streamer:
                 rm.append(BlockRemoved(block_hashes=hashes))
             self.stores.append(st)
             self.removes.append(rm)
-        self.step = [0] * num_workers
+        self.step = [0] * max(1, num_workers)
         self.probe_times: dict[int, float] = {}
         self._stop = threading.Event()
         self.published_blocks = 0
@@ -368,6 +373,102 @@ class Streamer:
             p.close()
 
 
+# --------------------------------------------------------------------------- in-process costs
+
+
+def measure_costs(num_workers: int, prompt_tokens: int, n: int = 3000) -> dict[str, float]:
+    """CPU microseconds per operation, in process (``time.process_time``): stable on a busy host.
+
+    Where the per-request time goes, without sockets: the HTTP app called as an
+    ASGI callable (Starlette routing + body read + msgspec decode + route +
+    encode), the ZMQ API's ``handle`` (msgpack decode + route + encode), the
+    routing decision alone, and ingestion of one churn batch (decode + apply).
+    """
+    import asyncio
+
+    from tokenspeed_router.events import encode_batch
+    from tokenspeed_router.events.codec import BatchDecoder
+    from tokenspeed_router.events.subscriber import BatchReceived
+    from tokenspeed_router.server import RouterService, ServerConfig, ZmqApiServer, create_app
+
+    service = RouterService(ServerConfig(http=None))
+    rng = random.Random(1)
+    streamer_like = Streamer.__new__(Streamer)
+    Streamer.__init__(streamer_like, 0)  # no publishers: only the event lists
+    for w in range(num_workers):
+        for c in range(POOL // 2):
+            toks = _tokens(w * POOL + c, CHAIN_BLOCKS * BLOCK)
+            from tokenspeed_router.events import BlockHash, BlockStored, KVEventBatch
+            from tokenspeed_router.hashing import block_hashes
+
+            hashes: list[BlockHash] = list(block_hashes(toks, BLOCK))
+            service.apply_record(f"w{w}", c, KVEventBatch(1.0, [BlockStored(
+                block_hashes=hashes, parent_block_hash=None, token_ids=toks, block_size=BLOCK)]), 1.0)
+    prompts = []
+    for _ in range(500):
+        cached = _tokens(rng.randrange(num_workers) * POOL + rng.randrange(POOL // 2), CHAIN_BLOCKS * BLOCK)
+        prompts.append(cached[: prompt_tokens // 2] +
+                       [rng.randrange(150_000) for _ in range(prompt_tokens - prompt_tokens // 2)])
+    out: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> None:
+        t0 = time.process_time()
+        for i in range(n):
+            fn(i)
+        out[name] = (time.process_time() - t0) / n * 1e6
+
+    timed("route_decision_us", lambda i: service.route(prompts[i % 500], request_id=f"c{i}"))
+    zmq_api = ZmqApiServer(service, "inproc://bench-costs")
+    enc = msgspec.msgpack.Encoder()
+    zpayloads = [enc.encode({"op": "route", "id": i, "token_ids": p}) for i, p in enumerate(prompts)]
+    timed("zmq_route_handle_us", lambda i: zmq_api.handle(zpayloads[i % 500]))
+    zmq_api.stop()
+    app = create_app(service)
+    bodies = [msgspec.json.encode({"token_ids": p}) for p in prompts]
+
+    async def asgi_loop() -> None:
+        sent: list[Any] = []
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        for i in range(n):
+            body = bodies[i % 500]
+
+            async def receive(body: bytes = body) -> Any:
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": "/route", "raw_path": b"/route", "query_string": b"",
+                     "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+                     "headers": [(b"content-type", b"application/json"),
+                                 (b"content-length", str(len(body)).encode())]}
+            await app(scope, receive, send)
+            sent.clear()
+
+    t0 = time.process_time()
+    asyncio.run(asgi_loop())
+    out["http_route_asgi_us"] = (time.process_time() - t0) / n * 1e6
+    payloads = []
+    for j in range(n):
+        events = [streamer_like.stores[0][j % POOL]]
+        if j >= POOL // 2:
+            events.insert(0, streamer_like.removes[0][(j - POOL // 2) % POOL])
+        payloads.append(encode_batch(streamer_like.KVEventBatch(time.time(), events)))
+    decoder = BatchDecoder()
+    ingest = RouterService(ServerConfig(http=None))
+
+    def apply(i: int) -> None:
+        batch = decoder.decode(payloads[i])
+        ingest.apply_item(BatchReceived("w0", i, batch, payloads[i], b"", time.time(), 0, False))
+
+    timed("ingest_batch_decode_apply_us", apply)
+    out["ingest_stored_blocks_per_cpu_s"] = CHAIN_BLOCKS / (out["ingest_batch_decode_apply_us"] * 1e-6)
+    service.stop()
+    ingest.stop()
+    return out
+
+
 # --------------------------------------------------------------------------- orchestration
 
 
@@ -388,6 +489,29 @@ def _start_router(streamer: Streamer, http_port: int, zmq_ep: str, env: dict[str
             threading.Event().wait(0.1)
     proc.kill()
     raise RuntimeError("router did not start")
+
+
+def _visible_buckets(http_port: int) -> dict[float, float]:
+    """The router's own publish->applied histogram (cumulative counts by upper bound)."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=10).text
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("tokenspeed_ingest_visible_delay_seconds_bucket"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """Upper bound of the bucket holding quantile q of what was observed between two scrapes."""
+    diff = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
+    total = diff[-1][1] if diff else 0.0
+    for le, count in diff:
+        if total and count >= q * total:
+            return le
+    return float("nan")
 
 
 def _wait_caught_up(http_port: int, streamer: Streamer, poll_s: float = 0.05) -> None:
@@ -415,19 +539,30 @@ def main() -> int:
                         help="tokens per /route request; the first half is cached on some worker")
     parser.add_argument("--zmq-window", type=int, default=32)
     parser.add_argument("--json", metavar="OUT", help="also write the results here")
-    parser.add_argument("--only", choices=("http", "zmq", "visible"), action="append",
+    parser.add_argument("--only", choices=("costs", "http", "zmq", "visible"), action="append",
                         help="run only these parts (repeatable)")
     args = parser.parse_args()
     if args.role == "loadgen":
         return loadgen_main(args)
     duration = args.duration or (2.0 if args.quick else 6.0)
     env = dict(os.environ)
+    results_costs: dict[str, Any] = {}
+    if not args.only or "costs" in args.only:
+        results_costs = measure_costs(args.workers, args.prompt_tokens, 1000 if args.quick else 3000)
+        print(f"{'in_process_cpu_costs':<34} {json.dumps({k: round(v, 1) for k, v in results_costs.items()})}",
+              flush=True)
+        if args.only == ["costs"]:
+            if args.json:
+                Path(args.json).write_text(json.dumps({"costs": results_costs}, indent=2))
+            return 0
     streamer = Streamer(args.workers)
     http_port, zmq_ep = _free_port(), f"tcp://127.0.0.1:{_free_port()}"
     router = _start_router(streamer, http_port, zmq_ep, env)
     results: dict[str, Any] = {"config": {"workers": args.workers, "blocks_per_s": args.blocks_per_s,
                                           "phase_s": duration, "cpus": os.cpu_count(),
-                                          "prompt_tokens": args.prompt_tokens}}
+                                          "prompt_tokens": args.prompt_tokens,
+                                          "loadavg_at_start": os.getloadavg()[0]},
+                               "costs": results_costs}
     try:
         streamer.preload()
         _wait_caught_up(http_port, streamer)
@@ -447,7 +582,7 @@ def main() -> int:
                   flush=True)
             return out
 
-        parts = set(args.only or ("http", "zmq", "visible"))
+        parts = set(args.only or ("http", "zmq", "visible")) - {"costs"}
         # ingest capacity: a burst as fast as the publishers go, until the router has applied it
         _wait_caught_up(http_port, streamer)
         burst = 1000 if args.quick else 3000
@@ -471,6 +606,7 @@ def main() -> int:
             return _finish(args, results, router, streamer)
         probes = int(duration * 50)
         _wait_caught_up(http_port, streamer)
+        buckets_before = _visible_buckets(http_port)
         t_start = time.monotonic()
         proc = _loadgen({**base, "mode": "visible", "probes": probes, "worker": "w0"}, env)
         streamer.probe_times.clear()
@@ -482,6 +618,10 @@ def main() -> int:
             "max_ms": max(delays) * 1e3 if delays else float("nan"),
             "elapsed_s": time.monotonic() - t_start,
         }
+        _wait_caught_up(http_port, streamer)
+        after = _visible_buckets(http_port)
+        results["event_to_visible"]["router_histogram_p50_le_ms"] = _bucket_quantile(buckets_before, after, 0.5) * 1e3
+        results["event_to_visible"]["router_histogram_p99_le_ms"] = _bucket_quantile(buckets_before, after, 0.99) * 1e3
         print(f"{'event_to_visible':<34} {json.dumps(results['event_to_visible'])}", flush=True)
         ws = json.loads(subprocess.run([sys.executable, "-c",
             f"import httpx,json;print(json.dumps(httpx.get('http://127.0.0.1:{http_port}/workers').json()))"],

@@ -85,7 +85,6 @@ def make_items(num_batches: int, seed: int, start: int = 0) -> list[BatchReceive
     """Each batch stores a fresh 16-block chain (16 tokens per block) on one of 8 workers."""
     rng = random.Random(seed)
     items = []
-    seqs = dict.fromkeys(range(NUM_WORKERS), start // NUM_WORKERS)
     for i in range(start, start + num_batches):
         w = i % NUM_WORKERS
         tokens = [rng.randrange(1, 100_000) for _ in range(BLOCK_SIZE * BLOCKS_PER_BATCH)]
@@ -93,8 +92,7 @@ def make_items(num_batches: int, seed: int, start: int = 0) -> list[BatchReceive
         batch = KVEventBatch(0.0, [BlockStored(block_hashes=hashes, parent_block_hash=None,
                                                token_ids=tokens, block_size=BLOCK_SIZE)])
         payload = encode_batch(batch)
-        items.append(BatchReceived(f"w{w}", seqs[w], batch, payload, b"", 0.0, 0, False))
-        seqs[w] += 1
+        items.append(BatchReceived(f"w{w}", i // NUM_WORKERS, batch, payload, b"", 0.0, 0, False))
     return items
 
 

@@ -49,7 +49,7 @@ def main() -> int:
         with ZmqRouterClient(zmq_api, auth_token=TOKEN, timeout_s=5) as client:
             while len(client.match(docs[2])["scores"]) < 1:
                 threading.Event().wait(0.01)
-            n = 2000
+            n = 1000
             t0 = time.perf_counter()
             chosen = []
             for k in range(n):

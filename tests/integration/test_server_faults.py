@@ -134,6 +134,7 @@ def test_crash_restart_drops_and_resync(tmp_path: Path) -> None:
             assert _score(router, "lossy", c) == 2 and _score(router, "lossy", d) == 2
             w = workers()["lossy"]
             assert w["state"] == "live" and w["replayed_batches"] >= 2 and w["resyncs"] == 0
+            wait_until(lambda: workers()["lossy"]["gaps"] >= 1, 5, what="gap counted")
 
             # ---- holes: no replay, a dropped removal -> resyncing, no wrong positives ----
             holes_proxy.subscribed.wait(10)
@@ -158,6 +159,8 @@ def test_crash_restart_drops_and_resync(tmp_path: Path) -> None:
             assert 'tokenspeed_ingest_resyncs_total{worker="holes"} 1.0' in metrics
             assert 'tokenspeed_worker_state{state="resyncing",worker="holes"} 1.0' in metrics
             assert 'tokenspeed_ingest_restarts_total{worker="crash"}' in metrics
+            assert 'tokenspeed_ingest_gaps_total{worker="lossy"}' in metrics
+            assert "tokenspeed_ingest_visible_delay_seconds_bucket" in metrics
             assert router.alive()
 
             # ---- a worker added and removed at run time --------------------------------

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from tokenspeed_router.sim.cli_demo import demo_cluster, demo_requests
+from tokenspeed_router.sim.cli_demo import RECOMMENDED_ROUTER_OPTIONS, demo_cluster, demo_requests
 from tokenspeed_router.sim.cluster import Simulator
 from tokenspeed_router.sim.live import HttpRouterBackend, LiveCluster, RealTimePacer
 from tokenspeed_router.sim.report import policy_metrics
@@ -34,11 +34,11 @@ def test_real_time_pacer_waits_on_the_injected_clock() -> None:
 def test_live_and_fast_agree_on_hit_ratio() -> None:
     requests = demo_requests(rate_scale=8.0, max_requests=60)
     cluster = demo_cluster(3)
-    with LiveCluster(cluster.worker_names()) as live:
+    with LiveCluster(cluster.worker_names(), router_options=RECOMMENDED_ROUTER_OPTIONS) as live:
         sim = Simulator(cluster, pacer=RealTimePacer(8.0, wait=threading.Event().wait))
         live_run = sim.run(requests, HttpRouterBackend(live))
     fast_run = run_policy("kv_aware", requests, demo_cluster(3, event_delay_s=0.005),
-                          signal_prefill_done=False)
+                          router_options=RECOMMENDED_ROUTER_OPTIONS, signal_prefill_done=False)
     live_m, fast_m = policy_metrics(live_run), policy_metrics(fast_run)
     assert live_m["hit_ratio"] > 0.2
     assert live_m["hit_ratio"] == pytest.approx(fast_m["hit_ratio"], abs=0.05)

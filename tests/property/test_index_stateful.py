@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tokenspeed_router.errors import UnknownParentError
 from tokenspeed_router.events.schema import (
@@ -35,6 +35,7 @@ from tokenspeed_router.router.index import KvIndex, MatchDetail, lora_key
 #: worker -> (block size, external hash style)
 WORKERS = {"a": (2, "u64"), "b": (2, "bytes"), "eng/dp0": (3, "signed"), "eng/dp1": (2, "small")}
 MEDIA = {None: "gpu", "GPU": "gpu", "cpu": "cpu", "CPU_PINNED": "cpu", "DISK": "storage", "weird": "storage"}
+DEFAULT_COMPACT_MIN = KvIndex.compact_min
 NAMESPACES = [(None, None), (1, None), (None, "tenant"), (1, "tenant")]
 TIER_ORDER = ("gpu", "cpu", "storage")
 
@@ -155,6 +156,14 @@ class IndexMachine(RuleBasedStateMachine):
         self.ref = Reference()
         self.counters: dict[Any, int] = {}
         self.rejected = 0
+
+    @initialize(compact_min=st.sampled_from([1, 3, 8192]))
+    def setup(self, compact_min: int) -> None:
+        """Small thresholds move ids into the compacted arrays after almost every batch."""
+        KvIndex.compact_min = compact_min
+
+    def teardown(self) -> None:
+        KvIndex.compact_min = DEFAULT_COMPACT_MIN
 
     # ---- helpers
 

@@ -101,7 +101,8 @@ def test_close_flushes_queued_batches(ctx: Ctx) -> None:
     sink.connect(pub.endpoint)
     # Handshake: probe until the SUB connection is up.
     wait_until(lambda: pub.publish(_batch(-1)) is not None and sink.poll(10), 10, what="probe")
-    while sink.poll(0):
+    assert pub.wait_sent(5)
+    while sink.poll(100):
         sink.recv_multipart()
     first = pub.statistics().next_seq
     with pub._cond:  # white box: hold the queue lock so the sender cannot drain yet

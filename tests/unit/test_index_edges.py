@@ -349,3 +349,56 @@ def test_apply_stats() -> None:
     index = KvIndex()
     stats = index.apply("w", batch(stored([1, 2, 3], TOKENS[:12]), BlockRemoved(block_hashes=[3, 4])))
     assert (stats.events, stats.stored_blocks, stats.removed_blocks, stats.unknown_removals) == (2, 3, 1, 1)
+
+
+def test_compacted_ids_behave_like_recent_ones() -> None:
+    """With compact_min=1 every batch moves int ids into the sorted arrays."""
+    index = KvIndex(compact_min=1)
+    index.apply("w", batch(stored([1, 2, 3], TOKENS[:12])))
+    index.apply("w", batch(stored([4], TOKENS[12:16], parent=3)))  # parent already compacted
+    assert index.match(TOKENS) == {"w": 4}
+    stats = index.apply("w", batch(stored([2], TOKENS[4:8], parent=1)))
+    assert stats.duplicate_blocks == 1 and index.num_blocks("w") == 4
+    index.apply("w", batch(stored([2], TOKENS[4:8], parent=1, medium="cpu")))  # tier on a compacted id
+    assert index.blocks_by_tier("w") == {"gpu": 4, "cpu": 1, "storage": 0}
+    stats = index.apply("w", batch(BlockRemoved(block_hashes=[3, 999])))
+    assert (stats.removed_blocks, stats.unknown_removals) == (1, 1)
+    assert index.match(TOKENS) == {"w": 2}
+    with pytest.raises(UnknownParentError):
+        index.apply("w", batch(stored([5], [1, 1, 1, 1], parent=3)))
+    index.apply("w", batch(BlockRemoved(block_hashes=[2], medium="GPU")))
+    assert index.match(TOKENS) == {"w": 2}  # still on CPU
+    for other in (KvIndex.restore(index.snapshot()), KvIndex.restore(index.snapshot(), compact_min=10**9)):
+        assert other.match_detail(TOKENS) == index.match_detail(TOKENS)
+        assert other.num_blocks("w") == index.num_blocks("w")
+    index.apply("w", batch(AllBlocksCleared(medium="cpu")))
+    assert index.match(TOKENS) == {"w": 1}
+    index.clear_worker("w")
+    assert index.num_blocks("w") == 0 and index.match(TOKENS) == {}
+
+
+def test_compaction_keeps_bytes_and_signed_ids_exact() -> None:
+    index = KvIndex(compact_min=1)
+    index.apply("b", batch(stored([b"a" * 16, b"b" * 16], TOKENS[:8])))
+    index.apply("s", batch(stored([-3, 7, -(2**63)], TOKENS[:12])))
+    index.apply("s", batch(stored([b"12"], TOKENS[12:16], parent=-(2**63))))  # b"12" is not the int 12
+    assert index.match(TOKENS) == {"b": 2, "s": 4}
+    index.apply("s", batch(BlockRemoved(block_hashes=[12])))
+    assert index.statistics()["workers"]["s"]["unknown_removals"] == 1
+    index.apply("s", batch(BlockRemoved(block_hashes=[7])))
+    assert index.match(TOKENS) == {"b": 2, "s": 1}
+
+
+def test_compaction_shrinks_memory_per_block() -> None:
+    from tokenspeed_router.router.bench import retained_bytes
+
+    tokens = list(range(1000, 1000 + 16 * 4000))
+    ids = [(i * 0x9E3779B97F4A7C15) % 2**64 for i in range(1, 4001)]
+    sizes = []
+    for compact_min in (10**9, 64):
+        index = KvIndex(compact_min=compact_min)
+        for i in range(0, 4000, 100):
+            index.apply("w", batch(stored(ids[i : i + 100], tokens[i * 16 : (i + 100) * 16], parent=ids[i - 1] if i else None, block_size=16)))
+        assert index.match(tokens) == {"w": 4000}
+        sizes.append(retained_bytes(index) / 4000)
+    assert sizes[1] < sizes[0] - 40

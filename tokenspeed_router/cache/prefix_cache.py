@@ -861,7 +861,7 @@ class PrefixCache:
         if self.enable_kv_cache_events:
             h = self._root_seed if parent is self.root_node else parent.block_hashes[-1]
             for page in pages:  # the page bytes are exactly the hashed encoding
-                h = chain_hash(page, self._root_seed)
+                h = chain_hash(page, h)
                 hashes.append(h)
         node = TreeNode(next(self._node_ids), next(self._clock), priority)
         node.parent = parent
@@ -882,7 +882,7 @@ class PrefixCache:
         head = TreeNode(next(self._node_ids), child.creation_time, child.priority)
         head.last_access_time = child.last_access_time
         head.hit_count = child.hit_count
-        head.lock_ref = child.lock_ref
+        head.lock_ref = 0
         head.parent = parent
         head.key = child.key[:split_len]
         head.value = child.value[:split_len]

@@ -85,7 +85,7 @@ class PublisherStatistics:
     """Batches currently held for replay."""
     next_seq: int
     replay_requests: int
-    """Replay requests answered (end marker sent)."""
+    """Replay requests answered (every batch sent; counted just before the end marker)."""
     replay_batches: int
     """Batches sent in replay replies."""
     bad_replay_requests: int
@@ -230,8 +230,7 @@ class ZmqEventPublisher:
             self._ring.append((seq, payload))
             self._published += 1
             if self._idle:
-                self._idle = False
-                self._wake.send(b"", zmq.NOBLOCK)
+                self._wake_sender()
         return seq
 
     def publish_events(self, events: Iterable[Event], ts: float | None = None) -> int:
@@ -276,8 +275,7 @@ class ZmqEventPublisher:
             self._linger_ms = int(max(0.0, min(timeout_s, 5.0)) * 1000)
             self._cond.notify_all()
             if self._idle:
-                self._idle = False
-                self._wake.send(b"", zmq.NOBLOCK)
+                self._wake_sender()
         self._thread.join(timeout_s)
         alive = self._thread.is_alive()
         if alive:
@@ -337,6 +335,15 @@ class ZmqEventPublisher:
                 f"publisher queue stayed full ({self._max_queue_size} batches) "
                 f"for {self._queue_timeout_s}s"
             )
+
+    def _wake_sender(self) -> None:
+        """Called with the lock held: wake the idle sender thread (never raises;
+        the thread also polls on its own every second)."""
+        self._idle = False
+        try:
+            self._wake.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError as err:
+            logger.debug("kv publisher %s: wake-up not sent: %s", self._endpoint, err)
 
     def _abort_startup(self) -> None:
         self._closed = True
@@ -453,6 +460,11 @@ class ZmqEventPublisher:
                     router.send_multipart(
                         (identity, b"", self._topic, encode_seq(seq), payload), zmq.NOBLOCK
                     )
+                # Counted before the end marker goes out, so that a client that
+                # has seen the marker also sees the counters.
+                with self._cond:
+                    self._replay_requests += 1
+                    self._replay_batches += len(items)
                 router.send_multipart((identity, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
             except zmq.ZMQError as err:
                 with self._cond:
@@ -463,9 +475,6 @@ class ZmqEventPublisher:
                     self._endpoint, start_seq, err,
                 )
                 continue
-            with self._cond:
-                self._replay_requests += 1
-                self._replay_batches += len(items)
             logger.debug(
                 "kv publisher %s: replayed %d batches from seq %d",
                 self._endpoint, len(items), start_seq,

@@ -261,6 +261,8 @@ def retained_bytes(index: KvIndex) -> int:
             for key, val in d.items():
                 obj(key)
                 obj(val)
+        if ws.cold is not None:
+            total += ws.cold.nbytes
         total += sys.getsizeof(ws.unm)
         for k in ws.unm:
             obj(k)

@@ -5,8 +5,8 @@ Structure
 Every block gets a *content id* computed here (``tokenspeed_router.hashing``:
 XXH3-64 chained from the parent's content id, the chain rooted in the
 LoRA/salt namespace); the engine's own block hash is only an *external id*
-used to find parents and apply removals. The state is three kinds of flat
-dicts, no per-block objects:
+used to find parents and apply removals. The state is flat dicts and
+arrays, no per-block objects:
 
 * ``holders: dict[content_id, int]`` (global) — bitmask of the workers that
   hold the block on any tier (bit = worker slot). A match walks the query's
@@ -14,7 +14,11 @@ dicts, no per-block objects:
 * per worker ``ext: dict[external_id, content_id]`` — O(1) parent resolution
   and removal. Blocks that can never match a query (a partial tail page,
   blocks stored under a different block size, their descendants) are stored
-  as ``~content_id`` (negative) and stay out of ``holders``.
+  as ``~content_id`` (negative) and stay out of ``holders``. Once the dict
+  holds ``compact_min`` entries (and a quarter of the compacted ones), its
+  int ids move into sorted u64 arrays with a Bloom filter in front
+  (``_ColdExt``: 19 B per block instead of ~75 B for a dict entry and its
+  key; O(log B) lookups, tombstones on removal).
 * per worker ``tiers: dict[content_id, code]`` only for blocks not held on
   GPU alone (code bits: gpu=1, cpu=2, storage=4), and ``refs`` only for
   content published under several external ids by one worker (aliases).
@@ -27,6 +31,7 @@ Complexity (n = blocks in a batch, d = matched depth, W = workers, B = a worker'
 ``match`` / ``match_detail``  O(d) hashing + lookups, once per distinct block size;
                               hashing stops at the deepest block any worker holds
 ``clear_worker`` / remove     O(B)
+compaction (amortised)        O(log B) per block (a stable sort merges two sorted runs)
 ``snapshot`` / ``restore``    O(total blocks)
 ===========================  ====================================================
 
@@ -198,6 +203,8 @@ class _Worker:
         "bit",
         "block_size",
         "block_size_mismatches",
+        "cold",
+        "compact_at",
         "duplicate_stores",
         "ext",
         "name",
@@ -215,8 +222,11 @@ class _Worker:
         self.slot = slot
         self.bit = bit
         self.block_size: int | None = None
-        #: external id -> content id (>= 0: matchable; < 0: ~content, never matched)
+        #: external id -> content id (>= 0: matchable; < 0: ~content, never matched);
+        #: recent writes — older int ids move to ``cold`` (see ``KvIndex._compact``)
         self.ext: dict[BlockHash, int] = {}
+        self.cold: _ColdExt | None = None
+        self.compact_at = 0
         #: content id -> tier code, only where the code is not GPU alone
         self.tiers: dict[int, int] = {}
         #: content id -> number of *extra* external ids naming it (aliases)
@@ -231,6 +241,133 @@ class _Worker:
 
 
 _MISSING: Any = object()
+_u64 = np.uint64
+_BLOOM_A_INT = 0x9E3779B97F4A7C15  # odd 64-bit multipliers (Fibonacci hashing)
+_BLOOM_B_INT = 0xC2B2AE3D27D4EB4F
+_BLOOM_A = np.uint64(_BLOOM_A_INT)
+_BLOOM_B = np.uint64(_BLOOM_B_INT)
+_INT_ONLY = {int}
+
+
+def _u64_array(ids: Sequence[Any]) -> np.ndarray[Any, Any] | None:
+    """``ids`` as a u64 array when they are all ints in [0, 2**64), else None.
+
+    The type check comes first: numpy would parse ``b"12"`` as the number 12.
+    """
+    if set(map(type, ids)) != _INT_ONLY:
+        return None
+    try:
+        return np.array(ids, dtype=np.uint64)
+    except OverflowError:
+        return None
+
+
+class _ColdExt:
+    """Compacted part of a worker's external-id map: sorted u64 arrays, 17 B per block.
+
+    Holds ``external id -> content id`` for ids that are ints in [0, 2**64)
+    and matchable contents; everything else stays in the worker's dict.
+    Removals leave tombstones (``alive``) until the next compaction.
+    """
+
+    __slots__ = ("alive", "bloom", "keys", "live", "shift", "vals")
+
+    def __init__(self, keys: np.ndarray[Any, Any], vals: np.ndarray[Any, Any]) -> None:
+        self.keys = keys
+        self.vals = vals
+        self.alive = np.ones(len(keys), dtype=np.bool_)
+        self.live = len(keys)
+        # A Bloom filter (16 bits per id, two probes, ~1.5 % false positives)
+        # answers "not compacted" without a binary search: every store asks.
+        bits = max(64, 1 << (16 * len(keys)).bit_length())
+        self.shift = 64 - (bits.bit_length() - 1)
+        self.bloom = np.zeros(bits // 8, dtype=np.uint8)
+        for pos in self._bloom_positions(keys):
+            np.bitwise_or.at(self.bloom, pos >> 3, (1 << (pos & 7)).astype(np.uint8))
+
+    def _bloom_positions(self, keys: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], ...]:
+        shift = np.uint64(self.shift)
+        return ((keys * _BLOOM_A) >> shift, (keys * _BLOOM_B) >> shift)
+
+    def _maybe(self, e: int) -> bool:
+        bloom = self.bloom
+        shift = self.shift
+        p = (e * _BLOOM_A_INT & _M64) >> shift
+        if not bloom[p >> 3] >> (p & 7) & 1:
+            return False
+        p = (e * _BLOOM_B_INT & _M64) >> shift
+        return bool(bloom[p >> 3] >> (p & 7) & 1)
+
+    def _find(self, e: object) -> int:
+        if type(e) is not int or e < 0 or e > _M64 or not self._maybe(e):
+            return -1
+        keys = self.keys
+        # np.uint64: a Python int would make numpy compare as int64 or objects (O(n)).
+        i = int(keys.searchsorted(_u64(e)))
+        if i < len(keys) and int(keys[i]) == e and self.alive[i]:
+            return i
+        return -1
+
+    def get(self, e: object) -> int | None:
+        i = self._find(e)
+        return None if i < 0 else int(self.vals[i])
+
+    def pop(self, e: object) -> int | None:
+        i = self._find(e)
+        if i < 0:
+            return None
+        self.alive[i] = False
+        self.live -= 1
+        return int(self.vals[i])
+
+    def pop_many(self, hashes: Sequence[BlockHash]) -> list[int | None]:
+        """``pop`` for many ids with one vectorised probe."""
+        out: list[int | None] = [None] * len(hashes)
+        pos = [i for i, e in enumerate(hashes) if type(e) is int and 0 <= e <= _M64]
+        if not pos:
+            return out
+        keys = self.keys
+        probe = np.array([hashes[i] for i in pos], dtype=np.uint64)
+        idx = np.minimum(keys.searchsorted(probe), len(keys) - 1)
+        hit = (keys[idx] == probe) & self.alive[idx]
+        for k in np.flatnonzero(hit).tolist():
+            j = int(idx[k])
+            if self.alive[j]:  # an id repeated in one event is popped once
+                self.alive[j] = False
+                self.live -= 1
+                out[pos[k]] = int(self.vals[j])
+        return out
+
+    def any_of(self, hashes: Sequence[BlockHash]) -> bool:
+        """Whether any of ``hashes`` is a live key (one vectorised probe)."""
+        probe = _u64_array(hashes)
+        if probe is None:
+            ks = [e for e in hashes if type(e) is int and 0 <= e <= _M64]
+            if not ks:
+                return False
+            probe = np.array(ks, dtype=np.uint64)
+        bloom = self.bloom
+        p1, p2 = self._bloom_positions(probe)
+        maybe = ((bloom[p1 >> np.uint64(3)] >> (p1 & np.uint64(7)).astype(np.uint8)) & 1).astype(np.bool_)
+        maybe &= ((bloom[p2 >> np.uint64(3)] >> (p2 & np.uint64(7)).astype(np.uint8)) & 1).astype(np.bool_)
+        if not maybe.any():
+            return False
+        probe = probe[maybe]
+        keys = self.keys
+        probe.sort()  # increasing keys let numpy narrow each binary search
+        idx = np.minimum(keys.searchsorted(probe), len(keys) - 1)
+        return bool(((keys[idx] == probe) & self.alive[idx]).any())
+
+    def items(self) -> list[tuple[int, int]]:
+        alive = self.alive
+        return list(zip(self.keys[alive].tolist(), self.vals[alive].tolist(), strict=True))
+
+    def values(self) -> list[int]:
+        return self.vals[self.alive].tolist()  # type: ignore[no-any-return]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.vals.nbytes + self.alive.nbytes + self.bloom.nbytes)
 
 
 class _Journal:
@@ -247,6 +384,29 @@ class _Journal:
         self.held: dict[int, bool] = {}
 
 
+def _ext_get(ws: _Worker, e: BlockHash) -> int | None:
+    c = ws.ext.get(e)
+    if c is None and ws.cold is not None:
+        return ws.cold.get(e)
+    return c
+
+
+def _ext_len(ws: _Worker) -> int:
+    return len(ws.ext) + (ws.cold.live if ws.cold is not None else 0)
+
+
+def _ext_items(ws: _Worker) -> list[tuple[BlockHash, int]]:
+    items: list[tuple[BlockHash, int]] = list(ws.ext.items())
+    if ws.cold is not None:
+        items.extend(ws.cold.items())
+    return items
+
+
+def _ext_del(ws: _Worker, e: BlockHash) -> None:
+    if ws.ext.pop(e, None) is None and ws.cold is not None:
+        ws.cold.pop(e)
+
+
 class KvIndex:
     """Exact, per-worker longest-prefix index over content-hashed KV blocks.
 
@@ -254,7 +414,15 @@ class KvIndex:
     strings; a DP rank is just another worker (``"NAME/dpR"``).
     """
 
-    def __init__(self) -> None:
+    #: a worker's recent-writes dict is compacted into sorted arrays once it
+    #: holds this many entries (and a quarter of the compacted ones)
+    compact_min = 8192
+
+    def __init__(self, *, compact_min: int | None = None) -> None:
+        """``compact_min``: see the class attribute; ``sys.maxsize`` never compacts
+        (fastest ingest, ~155 instead of ~100 bytes per block)."""
+        if compact_min is not None:
+            self.compact_min = compact_min
         self._holders: dict[int, int] = {}
         self._workers: dict[str, _Worker] = {}
         self._names: list[str | None] = []
@@ -278,9 +446,9 @@ class KvIndex:
     def num_blocks(self, worker: str | None = None) -> int:
         """Blocks held (partial tails and every tier copy of a block counted once)."""
         if worker is None:
-            return sum(len(ws.ext) for ws in self._workers.values())
+            return sum(_ext_len(ws) for ws in self._workers.values())
         ws = self._workers.get(worker)
-        return 0 if ws is None else len(ws.ext)
+        return 0 if ws is None else _ext_len(ws)
 
     def num_distinct_blocks(self) -> int:
         """Distinct matchable content ids across all workers."""
@@ -301,7 +469,7 @@ class KvIndex:
                 out["cpu"] += k
             if code & STORAGE:
                 out["storage"] += k
-        out["gpu"] = len(ws.ext) - not_gpu
+        out["gpu"] = _ext_len(ws) - not_gpu
         return out
 
     def _register(self, name: str) -> _Worker:
@@ -360,6 +528,8 @@ class KvIndex:
         if ws is not None and len(events) == 1 and type(events[0]) is BlockStored:
             done = self._store_one_block(ws, events[0])
             if done is not None:
+                if len(ws.ext) >= ws.compact_at:
+                    self._compact(ws)
                 return done
         created = ws is None
         if ws is None:
@@ -395,7 +565,49 @@ class KvIndex:
             if created:
                 self._unregister(ws)
             raise
+        if len(ws.ext) >= ws.compact_at:
+            self._compact(ws)
         return ApplyStats(len(events), stored, dup, removed, unknown, cleared)
+
+    def _compact(self, ws: _Worker) -> None:
+        """Move a worker's int external ids from its dict into sorted u64 arrays.
+
+        Why: a dict entry plus its int key costs ~75 B per block, the arrays
+        17 B. Runs after a successful ``apply`` only (never inside a batch's
+        journal), when the dict reaches ``max(compact_min, compacted / 4)``
+        entries, so each id is merged O(log) times (a stable sort of two
+        sorted runs is a linear merge).
+        """
+        cold = ws.cold
+        live = cold.live if cold is not None else 0
+        threshold = max(self.compact_min, live // 4)
+        if len(ws.ext) < threshold:
+            ws.compact_at = threshold
+            return
+        keep: dict[BlockHash, int] = {}
+        nk = _u64_array(list(ws.ext.keys()))
+        nv = _u64_array(list(ws.ext.values())) if nk is not None else None
+        if nk is None or nv is None:  # some ids are bytes or signed, or blocks unmatchable
+            ks: list[int] = []
+            vs: list[int] = []
+            for e, c in ws.ext.items():
+                if type(e) is int and 0 <= e <= _M64 and c >= 0:
+                    ks.append(e)
+                    vs.append(c)
+                else:
+                    keep[e] = c
+            nk = np.array(ks, dtype=np.uint64)
+            nv = np.array(vs, dtype=np.uint64)
+        if len(nk):
+            if cold is not None and live:
+                nk = np.concatenate((cold.keys[cold.alive], nk))
+                nv = np.concatenate((cold.vals[cold.alive], nv))
+            order = np.argsort(nk, kind="stable")
+            nk = nk[order]
+            nv = nv[order]
+            ws.cold = _ColdExt(nk, nv)
+            ws.ext = keep
+        ws.compact_at = max(self.compact_min, (ws.cold.live if ws.cold is not None else 0) // 4, len(ws.ext) * 2)
 
     def _store_one_block(self, ws: _Worker, ev: BlockStored) -> ApplyStats | None:
         """Fast path for the commonest event while decoding: one new full GPU block.
@@ -414,14 +626,17 @@ class KvIndex:
         ):
             return None
         ext = ws.ext
+        cold = ws.cold
         e = hashes[0]
-        if e in ext:
+        if e in ext or (cold is not None and cold.get(e) is not None):
             return None
         p = ev.parent_block_hash
         if p is None:
             h = self._root(lora_key(ev.lora_id, ev.lora_name), ev.cache_salt)
         else:
             pc = ext.get(p)
+            if pc is None and cold is not None:
+                pc = cold.get(p)
             if pc is None:
                 ws.unknown_parents += 1
                 raise UnknownParentError(ws.name, p)
@@ -448,6 +663,7 @@ class KvIndex:
         under a journal and undone if a parent turns out unknown.
         """
         ext = ws.ext
+        cold = ws.cold
         added: set[BlockHash] | None = set() if len(events) > 1 else None
         mutated = False
         journal = False
@@ -477,7 +693,11 @@ class KvIndex:
                 if p is not None:
                     if mutated:
                         journal = True
-                    elif p not in ext and (added is None or p not in added):
+                    elif (
+                        p not in ext
+                        and (added is None or p not in added)
+                        and (cold is None or cold.get(p) is None)
+                    ):
                         ws.unknown_parents += 1
                         raise UnknownParentError(ws.name, p)
                 if added is not None:
@@ -515,7 +735,7 @@ class KvIndex:
             neg = False
             h = self._root(lora_key(ev.lora_id, ev.lora_name), ev.cache_salt)
         else:
-            pc = ext.get(p)
+            pc = _ext_get(ws, p)
             if pc is None:
                 ws.unknown_parents += 1
                 raise UnknownParentError(ws.name, p)
@@ -558,6 +778,7 @@ class KvIndex:
             and code == GPU
             and ext.keys().isdisjoint(hashes)
             and self._holders.keys().isdisjoint(cs[:full] if full < n else cs)
+            and (ws.cold is None or not ws.cold.any_of(hashes))
         ):
             # Fresh blocks of a GPU-only store (the common case): bulk C updates.
             before = len(ext)
@@ -579,7 +800,7 @@ class KvIndex:
         """Record that ``ws`` holds content ``c`` as external ``e`` on tier ``code``."""
         ext = ws.ext
         tiers = ws.tiers
-        prev = ext.get(e)
+        prev = _ext_get(ws, e)
         if prev is not None:
             ws.duplicate_stores += 1
             cur = tiers.get(prev, GPU)
@@ -673,7 +894,13 @@ class KvIndex:
             bit = ws.bit
             keep = ~bit
             removed = unknown = 0
-            for c in map(ext.pop, hashes, repeat(None)):
+            found = list(map(ext.pop, hashes, repeat(None)))
+            cold = ws.cold
+            if cold is not None and None in found:
+                missing = [i for i, c in enumerate(found) if c is None]
+                for i, c in zip(missing, cold.pop_many([hashes[i] for i in missing]), strict=True):
+                    found[i] = c
+            for c in found:
                 if c is None:
                     unknown += 1
                 elif c >= 0:
@@ -700,7 +927,7 @@ class KvIndex:
 
     def _drop(self, ws: _Worker, e: BlockHash, code: int, unspecified: bool, jr: _Journal | None) -> int:
         """Remove tier ``code`` of external block ``e``: 1 if it is gone, 0 if not, -1 unknown."""
-        c = ws.ext.get(e)
+        c = _ext_get(ws, e)
         if c is None:
             ws.unknown_removals += 1
             return -1
@@ -711,7 +938,7 @@ class KvIndex:
         r = ws.refs.get(c)
         if r:
             # Another external id of this worker still names the content.
-            del ws.ext[e]
+            _ext_del(ws, e)
             if r == 1:
                 del ws.refs[c]
             else:
@@ -731,7 +958,7 @@ class KvIndex:
             else:
                 ws.tiers[c] = left
             return 0
-        del ws.ext[e]
+        _ext_del(ws, e)
         ws.tiers.pop(c, None)
         if c >= 0:
             m = self._holders[c] & ~ws.bit
@@ -748,7 +975,7 @@ class KvIndex:
         if medium is not None or jr is not None:
             code = ALL_TIERS if medium is None else medium_code(medium)
             gone = 0
-            for e, c in list(ws.ext.items()):
+            for e, c in _ext_items(ws):
                 cur = ws.tiers.get(c, GPU)
                 if not cur & code:
                     continue
@@ -767,7 +994,10 @@ class KvIndex:
         holders = self._holders
         bit = ws.bit
         keep = ~bit
-        for c in ws.ext.values():
+        values: Any = ws.ext.values()
+        if ws.cold is not None:
+            values = [*values, *ws.cold.values()]
+        for c in values:
             if c >= 0:
                 m = holders.get(c)
                 if m is None:
@@ -776,8 +1006,10 @@ class KvIndex:
                     del holders[c]
                 elif m & bit:
                     holders[c] = m & keep
-        gone = len(ws.ext)
+        gone = _ext_len(ws)
         ws.ext = {}
+        ws.cold = None
+        ws.compact_at = 0
         ws.tiers = {}
         ws.refs = {}
         ws.unm = set()
@@ -893,7 +1125,7 @@ class KvIndex:
         for name, ws in self._workers.items():
             workers[name] = {
                 "block_size": ws.block_size,
-                "blocks": len(ws.ext),
+                "blocks": _ext_len(ws),
                 "tiers": self.blocks_by_tier(name),
                 "unmatchable_blocks": len(ws.unm) + sum(ws.refs.get(c, 0) for c in ws.unm),
                 "aliased_blocks": sum(ws.refs.values()),
@@ -921,15 +1153,16 @@ class KvIndex:
         """Serialise the whole index (msgspec msgpack, versioned, O(total blocks))."""
         snaps = []
         for ws in self._workers.values():
-            keys = list(ws.ext.keys())
-            vals = list(ws.ext.values())
+            items = _ext_items(ws)
+            keys = [e for e, _ in items]
+            vals = [c for _, c in items]
             neg = [i for i, c in enumerate(vals) if c < 0]
             for i in neg:
                 vals[i] = ~vals[i]
             tier_idx: list[int] = []
             tier_code: list[int] = []
             if ws.tiers:
-                for i, c in enumerate(ws.ext.values()):
+                for i, (_e, c) in enumerate(items):
                     t = ws.tiers.get(c)
                     if t is not None:
                         tier_idx.append(i)
@@ -957,7 +1190,7 @@ class KvIndex:
         )
 
     @classmethod
-    def restore(cls, data: bytes | bytearray | memoryview) -> KvIndex:
+    def restore(cls, data: bytes | bytearray | memoryview, *, compact_min: int | None = None) -> KvIndex:
         """Rebuild an index from ``snapshot()`` bytes; SnapshotError if unusable."""
         try:
             snap = _DECODER.decode(data)
@@ -972,7 +1205,7 @@ class KvIndex:
                 f"snapshot uses content hash v{snap.hash_version}, this build v{HASH_VERSION}: "
                 "rebuild the index from events"
             )
-        index = cls()
+        index = cls(compact_min=compact_min)
         for w in snap.workers:
             if len(w.ext) != len(w.content) or len(w.tier_index) != len(w.tier_code):
                 raise SnapshotError(f"corrupt KvIndex snapshot: worker {w.name!r} lists differ in length")
@@ -992,7 +1225,7 @@ class KvIndex:
                     index._hold(ws, e, c, code, None)
             except (IndexError, TypeError) as err:
                 raise SnapshotError(f"corrupt KvIndex snapshot: {err}") from err
-            if len(ws.ext) != len(w.ext):
+            if len(ws.ext) != len(w.ext):  # checked before compaction below
                 raise SnapshotError(f"corrupt KvIndex snapshot: worker {w.name!r} repeats external ids")
             counters = [*w.counters, 0, 0, 0, 0, 0][:5]
             (
@@ -1002,6 +1235,7 @@ class KvIndex:
                 ws.tier_mismatch_removals,
                 ws.block_size_mismatches,
             ) = counters
+            index._compact(ws)
         return index
 
     def dump_events(self) -> dict[str, list[KVEventBatch]]:
@@ -1022,7 +1256,7 @@ class KvIndex:
             bs = ws.block_size or 1
             events: list[Event] = []
             for bit, medium in ((GPU, "gpu"), (CPU, "cpu"), (STORAGE, "storage")):
-                items = [(e, c) for e, c in ws.ext.items() if ws.tiers.get(c, GPU) & bit]
+                items = [(e, c) for e, c in _ext_items(ws) if ws.tiers.get(c, GPU) & bit]
                 for start in range(0, len(items), _DUMP_EVENT_BLOCKS):
                     part = items[start : start + _DUMP_EVENT_BLOCKS]
                     n = len(part)

@@ -426,6 +426,7 @@ class RouterService:
         """``GET /workers``: per stream role, state, blocks, seq, counters, lag."""
         now = self._wall_clock()
         connected = self._loop.connected() if self._loop is not None else {}
+        stats = self._loop.statistics() if self._loop is not None else {}
         out: dict[str, Any] = {}
         with self._lock:
             statuses = self.ingestor.statuses()
@@ -451,6 +452,8 @@ class RouterService:
                     "resyncs": st.resyncs if st is not None else 0,
                     "restarts": st.restarts if st is not None else 0,
                     "replayed_batches": self._replayed.get(name, 0),
+                    "gaps": stats[name].gaps if name in stats else 0,
+                    "malformed_frames": stats[name].malformed_total if name in stats else 0,
                     "lag_s": (now - st.last_batch_ts) if st is not None and st.last_batch_ts else None,
                     "ingest_delay_s": st.lag_s if st is not None else None,
                     "in_flight": getattr(wl, "active_requests", 0) if wl is not None else 0,
@@ -548,6 +551,7 @@ class RouterService:
 
     def _worker_samples(self) -> Iterator[WorkerSample]:
         now = self._wall_clock()
+        subs = self._loop.statistics() if self._loop is not None else {}
         with self._lock:
             statuses = self.ingestor.statuses()
             samples = [
@@ -561,7 +565,10 @@ class RouterService:
                     resyncs=st.resyncs,
                     restarts=st.restarts,
                     replayed_batches=self._replayed.get(name, 0),
-                    gaps=st.resyncs + (1 if self._replayed.get(name) else 0),
+                    gaps=subs[name].gaps if name in subs else st.resyncs,
+                    replay_requests=subs[name].replay_requests if name in subs else 0,
+                    replay_timeouts=subs[name].replay_timeouts if name in subs else 0,
+                    malformed=subs[name].malformed_total if name in subs else 0,
                     lag_s=(now - st.last_batch_ts) if st.last_batch_ts else None,
                     blocks_by_tier=self.index.blocks_by_tier(name),
                 )

@@ -33,7 +33,11 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tokenspeed_router.events.subscriber import EventSubscriber, SubscriberItem
+from tokenspeed_router.events.subscriber import (
+    EventSubscriber,
+    SubscriberItem,
+    SubscriberStatistics,
+)
 from tokenspeed_router.server.config import SubscriberSpec
 
 __all__ = ["IngestLoop", "StreamState"]
@@ -93,6 +97,7 @@ class IngestLoop:
         self._thread: threading.Thread | None = None
         self._last_error_log = 0.0
         self._connected_snapshot: dict[str, bool] = {}
+        self._stats_snapshot: dict[str, SubscriberStatistics] = {}
 
     # --- lifecycle (any thread) ---------------------------------------------------
 
@@ -154,6 +159,7 @@ class IngestLoop:
             state.monitor.close(linger=0)
         state.subscriber.close()
         self._connected_snapshot.pop(name, None)
+        self._stats_snapshot.pop(name, None)
         logger.info("worker=%s unsubscribed", name)
         return True
 
@@ -163,6 +169,10 @@ class IngestLoop:
     def connected(self) -> dict[str, bool]:
         """Connection state per stream (a copy, safe to read from any thread)."""
         return dict(self._connected_snapshot)
+
+    def statistics(self) -> dict[str, SubscriberStatistics]:
+        """Each stream's subscriber counters, refreshed by the loop every 50 ms (any thread)."""
+        return dict(self._stats_snapshot)
 
     def _open_all(self, specs: list[SubscriberSpec]) -> None:
         self.open_streams(specs)
@@ -207,6 +217,7 @@ class IngestLoop:
                 if now >= next_stale_check:
                     next_stale_check = now + _STALE_CHECK_S
                     self._check_stale(now)
+                    self._stats_snapshot = {n: st.subscriber.statistics() for n, st in self._streams.items()}
         except Exception:
             logger.exception("ingestion loop crashed")
         finally:

@@ -53,6 +53,9 @@ class WorkerSample:
     replayed_batches: int
     gaps: int
     lag_s: float | None
+    replay_requests: int = 0
+    replay_timeouts: int = 0
+    malformed: int = 0
     blocks_by_tier: dict[str, int] = field(default_factory=dict)
 
 
@@ -82,7 +85,10 @@ class WorkerStateCollector(Collector):
                 "tokenspeed_ingest_replayed_batches",
                 "batches received through replay after a gap",
             ),
-            "gaps": ("tokenspeed_ingest_gaps", "sequence gaps detected (healed or not)"),
+            "gaps": ("tokenspeed_ingest_gaps", "sequence gaps detected (healed by replay or not)"),
+            "replay_requests": ("tokenspeed_ingest_replay_requests", "replays asked of the publisher"),
+            "replay_timeouts": ("tokenspeed_ingest_replay_timeouts", "replays the publisher did not answer in time"),
+            "malformed": ("tokenspeed_ingest_malformed_frames", "frames skipped as malformed (bad seq, payload, topic)"),
         }
         for attr, (name, doc) in counters.items():
             fam = CounterMetricFamily(name, doc, labels=["worker"])

@@ -34,13 +34,26 @@ from tokenspeed_router.sim.report import (
 from tokenspeed_router.sim.runner import ProgressBar, run_policies
 from tokenspeed_router.sim.traces import TraceRequest, TraceWindow, parse_mooncake, trace_summary
 
-__all__ = ["DEMO_TRACE", "add_arguments", "demo_cluster", "demo_requests", "run", "run_live"]
+__all__ = [
+    "DEMO_TRACE",
+    "RECOMMENDED_ROUTER_OPTIONS",
+    "add_arguments",
+    "demo_cluster",
+    "demo_requests",
+    "run",
+    "run_live",
+]
 
 logger = logging.getLogger(__name__)
 
 #: Package data: a slice of the Mooncake synthetic trace (see data/README.md).
 DEMO_TRACE = "mooncake_synthetic_slice.jsonl"
 _BASELINES = ("random", "round_robin", "least_loaded", "approx", "kv_aware", "oracle")
+#: RouterConfig settings found by the trace study (docs/readme/sim.md, "What
+#: mattered"): value a cached token at twice a queued one, and remember routed
+#: prompts for 15 s until their BlockStored events arrive. Proposed as the
+#: Router's defaults; passed explicitly so the demo shows them either way.
+RECOMMENDED_ROUTER_OPTIONS: dict[str, Any] = {"prefill_weight": 2.0, "predict_on_route_ttl_s": 15.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use only the first N requests of the slice")
     parser.add_argument("--rate-scale", type=float, default=8.0,
                         help="speed-up of the slice's arrivals (default 8: ~3 req/s)")
-    parser.add_argument("--time-scale", type=float, default=4.0,
-                        help="simulated seconds per wall second in the live run (default 4)")
+    parser.add_argument("--time-scale", type=float, default=5.0,
+                        help="simulated seconds per wall second in the live run (default 5)")
     parser.add_argument("--fast-only", action="store_true", help="skip the live cluster")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -67,13 +80,15 @@ def demo_requests(*, rate_scale: float = 8.0, max_requests: int | None = None) -
 
 
 def demo_cluster(workers: int = 4, *, seed: int = 0, event_delay_s: float = 0.0) -> ClusterConfig:
-    """Demo cluster: 200 k-token caches (the slice's distinct content is ~1.7 M
-    tokens, so caches are under pressure), 16-token pages, 12 k tokens/s."""
+    """Demo cluster: 200 k-token caches (the slice holds ~1.7 M distinct prompt
+    tokens, so caches are under pressure), 16-token pages, 20 k prefill tokens/s
+    (the upper end of the 10-20 k range of ``CostModel``: a small cluster that
+    is busy but not drowning at the slice's 3 req/s)."""
     return ClusterConfig(
         num_workers=workers,
         capacity_tokens=200_000,
         page_size=16,
-        cost=CostModel(prefill_tokens_per_s=12_000.0),
+        cost=CostModel(prefill_tokens_per_s=20_000.0),
         event_delay_s=event_delay_s,
         seed=seed,
     )
@@ -84,7 +99,7 @@ def run_live(requests: list[TraceRequest], cluster: ClusterConfig, *, time_scale
     """Run kv_aware through a real ``serve`` subprocess; returns (result, info)."""
     from tokenspeed_router.sim.live import HttpRouterBackend, LiveCluster, RealTimePacer
 
-    with LiveCluster(cluster.worker_names()) as live:
+    with LiveCluster(cluster.worker_names(), router_options=RECOMMENDED_ROUTER_OPTIONS) as live:
         pacer = RealTimePacer(time_scale)
         sim = Simulator(cluster, pacer=pacer)
         backend = HttpRouterBackend(live)
@@ -125,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"\nlive run failed ({err}); showing fast mode only", file=sys.stderr)
     # Baselines on the same slice, virtual clock, in-process router, 10 ms event delay.
     fast_cluster = demo_cluster(args.workers, seed=args.seed, event_delay_s=0.010)
-    fast = run_policies(_BASELINES, requests, fast_cluster, signal_prefill_done=False, progress=bar)
+    fast = run_policies(_BASELINES, requests, fast_cluster, router_options=RECOMMENDED_ROUTER_OPTIONS,
+                        signal_prefill_done=False, progress=bar)
     for name, result in fast.items():
         key = "kv_aware_fast" if name == "kv_aware" and "kv_aware" in runs else name
         runs[key] = result
@@ -135,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         config={"mode": "demo", "capacity_tokens": fast_cluster.capacity_tokens,
                 "block_size": fast_cluster.page_size,
                 "prefill_tokens_per_s": fast_cluster.cost.prefill_tokens_per_s,
-                "rate_scale": args.rate_scale, "live": live_info},
+                "rate_scale": args.rate_scale, "live": live_info,
+                "router_options": RECOMMENDED_ROUTER_OPTIONS},
     )
     print()
     print(format_table(doc, modes=modes))

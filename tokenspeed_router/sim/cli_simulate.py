@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -115,8 +116,6 @@ def load_requests(args: argparse.Namespace) -> tuple[str, list[TraceRequest]]:
         end = None if window.duration_s is None else t0 + window.duration_s
         reqs = [r for r in reqs if r.arrival_s >= t0 and (end is None or r.arrival_s < end)]
         reqs = reqs[: window.max_requests] if window.max_requests else reqs
-        from dataclasses import replace
-
         reqs = [replace(r, arrival_s=(r.arrival_s - t0) / window.rate_scale) for r in reqs]
         return "synthetic", reqs
     path = Path(args.trace)

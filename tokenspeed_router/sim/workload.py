@@ -35,6 +35,9 @@ class WorkloadConfig:
 
     Lengths are in tokens, times in seconds. ``block_tokens`` is the id
     granularity; 64 lets sharing be finer than Mooncake's 512.
+    ``session_rate_per_s`` is the arrival rate of *new sessions*; follow-up
+    turns of chats and agent loops come on top, so the request rate is
+    several times higher (see :func:`~tokenspeed_router.sim.traces.trace_summary`).
     """
 
     num_requests: int = 2000
