@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from tokenspeed_router.events import BlockStored, KVEventBatch, encode_batch
+from tokenspeed_router.events import BlockHash, BlockStored, KVEventBatch, encode_batch
 from tokenspeed_router.events.subscriber import BatchReceived
 from tokenspeed_router.state import LocalIndexHost, RedisStateConfig, RedisStateReplica
 
@@ -88,7 +88,7 @@ def make_items(num_batches: int, seed: int, start: int = 0) -> list[BatchReceive
     for i in range(start, start + num_batches):
         w = i % NUM_WORKERS
         tokens = [rng.randrange(1, 100_000) for _ in range(BLOCK_SIZE * BLOCKS_PER_BATCH)]
-        hashes = list(range(i * BLOCKS_PER_BATCH + 1, (i + 1) * BLOCKS_PER_BATCH + 1))
+        hashes: list[BlockHash] = list(range(i * BLOCKS_PER_BATCH + 1, (i + 1) * BLOCKS_PER_BATCH + 1))
         batch = KVEventBatch(0.0, [BlockStored(block_hashes=hashes, parent_block_hash=None,
                                                token_ids=tokens, block_size=BLOCK_SIZE)])
         payload = encode_batch(batch)

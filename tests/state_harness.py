@@ -16,7 +16,13 @@ from typing import Any
 import zmq
 from support import wait_until
 
-from tokenspeed_router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from tokenspeed_router.events import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 from tokenspeed_router.events.subscriber import EventSubscriber, SubscriberGroup, SubscriberItem
 from tokenspeed_router.router.index import KvIndex
@@ -54,7 +60,7 @@ class WorkerModel:
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.prompts = prompts()
-        self.chains: dict[int, list[int]] = {}
+        self.chains: dict[int, list[BlockHash]] = {}
         self.next_hash = seed * 1_000_000 + 1
 
     def next_events(self) -> list[Any]:
@@ -73,7 +79,7 @@ class WorkerModel:
         if not target:
             h = chain.pop()
             return [BlockRemoved(block_hashes=[h])]
-        new = list(range(self.next_hash, self.next_hash + target - len(chain)))
+        new: list[BlockHash] = list(range(self.next_hash, self.next_hash + target - len(chain)))
         self.next_hash += len(new)
         tokens = self.prompts[p][len(chain) * BLOCK_SIZE : target * BLOCK_SIZE]
         parent = chain[-1] if chain else None

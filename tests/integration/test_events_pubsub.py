@@ -537,3 +537,35 @@ def test_poll_returns_within_timeout(ctx: Ctx, engine: FakeEngine) -> None:
     assert time.monotonic() - start < 2.0
     sub.close()
     assert sub.poll(0.01) == []
+
+
+def test_ring_ahead_of_lagging_live_stream_is_not_a_loss(ctx: Ctx, engine: FakeEngine) -> None:
+    sub = _subscriber(ctx, engine)
+    col = Collector(sub.poll)
+    _probe_seq0(engine, col, sub)
+    with engine._lock:  # a tiny ring that already moved on to 5..7
+        engine.ring = {s: _payload(s) for s in (5, 6, 7)}
+    engine.send(2, remember=False)  # gap: 1 is lost for good, 3..7 not sent live yet
+    col.until(lambda: col.seqs[-1:] == [2])
+    for seq in range(3, 8):
+        engine.send(seq, remember=False)
+    col.until(lambda: col.seqs[-1:] == [7])
+    assert col.seqs == [0, 2, 3, 4, 5, 6, 7]
+    resyncs = [(r.expected_seq, r.got_seq) for r in col.items if isinstance(r, ResyncNeeded)]
+    assert resyncs == [(1, 2)]  # 3..4 were never reported lost: they came live
+    sub.close()
+
+
+def test_resume_without_replay_endpoint(ctx: Ctx, engine: FakeEngine) -> None:
+    sub = _subscriber(ctx, engine, replay_endpoint=None, start_seq=5)
+    col = Collector(sub.poll)
+    col.until(lambda: bool(col.items), each=lambda: engine.send(7))
+    first = col.items[0]
+    assert isinstance(first, ResyncNeeded)
+    assert (first.expected_seq, first.got_seq, first.reason) == (5, 7, "no_replay_endpoint")
+    engine.send(8)
+    engine.send(2)  # below the resume point: a restarted publisher
+    col.until(lambda: any(isinstance(x, PublisherRestarted) for x in col.items))
+    col.until(lambda: col.batches[-1].epoch == 1)
+    assert [(b.seq, b.epoch) for b in col.batches] == [(7, 0), (8, 0), (2, 1)]
+    sub.close()

@@ -20,6 +20,7 @@ from support import wait_until
 
 from tokenspeed_router.events import (
     AllBlocksCleared,
+    BlockHash,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
@@ -125,7 +126,7 @@ def backend(request: pytest.FixtureRequest) -> Iterator[MemoryBackend]:
     made.close()
 
 
-def _stored(hashes: list[int], parent: int | None, start_block: int, **kw: Any) -> BlockStored:
+def _stored(hashes: list[BlockHash], parent: int | None, start_block: int, **kw: Any) -> BlockStored:
     tokens = TOKENS[start_block * 4 : (start_block + len(hashes)) * 4]
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
                        block_size=4, **kw)

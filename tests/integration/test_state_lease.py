@@ -77,6 +77,7 @@ def test_stale_leader_appends_are_fenced_off(config: RedisStateConfig, client: A
     _seed(client, old)
     assert len(appender.append(old, "g1", [_entry(0), _entry(1)])) == 2
     new = wait_until(lambda: b.try_acquire(), 5, interval_s=0.02, what="takeover")
+    assert new is not None
     with pytest.raises(FencedError) as err:  # a was paused past its TTL and wakes up
         appender.append(old, "g1", [_entry(2)])
     assert err.value.current == new

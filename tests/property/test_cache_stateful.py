@@ -214,6 +214,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(node=consumes(locks))
     def unlock(self, node: TreeNode) -> None:
+        if node not in self.lock_nodes:
+            return  # already released by drain
         self.lock_nodes.remove(node)
         self.cache.dec_lock_ref(node)
 
@@ -284,20 +286,20 @@ class CacheMachine(RuleBasedStateMachine):
             expect = (row[:held, None].long() * PAGE_SIZE + torch.arange(PAGE_SIZE)).flatten()
             assert slots[: held * PAGE_SIZE].tolist() == expect.tolist()
 
-    def teardown(self) -> None:
-        # Every run ends with the requests finished and locks released: nothing may leak.
-        if not hasattr(self, "cache"):
-            return
+    @rule()
+    def drain(self) -> None:
+        """Finish every request and drop every lock: then nothing may be held, and reset frees all."""
         for req in self.live:
             self.cache.cache_finished_req(req)
         for node in self.lock_nodes:
             self.cache.dec_lock_ref(node)
+        self.live = []
+        self.lock_nodes = []
         acc = self.cache.page_accounting()
         assert acc.consistent and acc.requests == 0, acc
         assert self.cache.protected_size() == 0
         self.cache.reset()
-        self.folder.apply(self.cache.take_events())
-        assert self.folder.blocks == {}
+        self.model = {}
         assert self.cache.page_accounting().free == NUM_PAGES
 
 

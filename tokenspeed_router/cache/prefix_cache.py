@@ -882,7 +882,7 @@ class PrefixCache:
         head = TreeNode(next(self._node_ids), child.creation_time, child.priority)
         head.last_access_time = child.last_access_time
         head.hit_count = child.hit_count
-        head.lock_ref = 0
+        head.lock_ref = child.lock_ref
         head.parent = parent
         head.key = child.key[:split_len]
         head.value = child.value[:split_len]

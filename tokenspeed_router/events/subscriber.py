@@ -86,6 +86,10 @@ from tokenspeed_router.events.schema import KVEventBatch
 from tokenspeed_router.events.sequencing import SequenceTracker, VerdictKind
 
 __all__ = [
+    "RESYNC_NO_REPLAY",
+    "RESYNC_REPLAY_INCOMPLETE",
+    "RESYNC_REPLAY_TIMEOUT",
+    "RESYNC_RING_EXHAUSTED",
     "BatchReceived",
     "EventSubscriber",
     "PublisherRestarted",

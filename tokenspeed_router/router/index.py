@@ -281,9 +281,10 @@ class _ColdExt:
         # answers "not compacted" without a binary search: every store asks.
         bits = max(64, 1 << (16 * len(keys)).bit_length())
         self.shift = 64 - (bits.bit_length() - 1)
-        self.bloom = np.zeros(bits // 8, dtype=np.uint8)
+        flags = np.zeros(bits, dtype=np.bool_)
         for pos in self._bloom_positions(keys):
-            np.bitwise_or.at(self.bloom, pos >> 3, (1 << (pos & 7)).astype(np.uint8))
+            flags[pos] = True
+        self.bloom = np.packbits(flags, bitorder="little")
 
     def _bloom_positions(self, keys: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], ...]:
         shift = np.uint64(self.shift)
@@ -329,13 +330,16 @@ class _ColdExt:
         keys = self.keys
         probe = np.array([hashes[i] for i in pos], dtype=np.uint64)
         idx = np.minimum(keys.searchsorted(probe), len(keys) - 1)
-        hit = (keys[idx] == probe) & self.alive[idx]
-        for k in np.flatnonzero(hit).tolist():
-            j = int(idx[k])
-            if self.alive[j]:  # an id repeated in one event is popped once
-                self.alive[j] = False
-                self.live -= 1
-                out[pos[k]] = int(self.vals[j])
+        hit = np.flatnonzero((keys[idx] == probe) & self.alive[idx])
+        if not len(hit):
+            return out
+        # an id repeated in one event is popped once (its first occurrence)
+        slots, first = np.unique(idx[hit], return_index=True)
+        hit = hit[first]
+        self.alive[slots] = False
+        self.live -= len(slots)
+        for k, c in zip(hit.tolist(), self.vals[slots].tolist(), strict=True):
+            out[pos[k]] = c
         return out
 
     def any_of(self, hashes: Sequence[BlockHash]) -> bool:
@@ -416,7 +420,7 @@ class KvIndex:
 
     #: a worker's recent-writes dict is compacted into sorted arrays once it
     #: holds this many entries (and a quarter of the compacted ones)
-    compact_min = 8192
+    compact_min = 2048
 
     def __init__(self, *, compact_min: int | None = None) -> None:
         """``compact_min``: see the class attribute; ``sys.maxsize`` never compacts

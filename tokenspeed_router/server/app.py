@@ -168,9 +168,9 @@ class RouterService:
         self.index = KvIndex()
         self.router = Router(self.index, config.router_config())
         self.ingestor = IndexIngestor(self.index, on_state_change=self._on_state_change)
-        self.metrics = ServiceMetrics()
-        self.metrics.add_collector(WorkerStateCollector(self._worker_samples))
         self._lock = threading.Lock()
+        self.metrics = ServiceMetrics(self._lock)
+        self.metrics.add_collector(WorkerStateCollector(self._worker_samples))
         self._wall_clock = wall_clock
         self._started_s = time.monotonic()
         self._own_context = context is None
@@ -306,9 +306,9 @@ class RouterService:
             if isinstance(item, BatchReceived) and item.replayed:
                 self._replayed[item.worker] = self._replayed.get(item.worker, 0) + 1
             self.ingestor.on_item(item)
-        if isinstance(item, BatchReceived) and item.batch.ts > 0:
-            # publisher's timestamp -> visible to queries (same host clock assumed)
-            self.metrics.visible_delay.observe(max(0.0, self._wall_clock() - item.batch.ts))
+            if isinstance(item, BatchReceived) and item.batch.ts > 0:
+                # publisher's timestamp -> visible to queries (same host clock assumed)
+                self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch.ts))
 
     def apply_record(
         self, worker: str, seq: int, batch: KVEventBatch, recv_time_s: float, *, payload: bytes | None = None
@@ -389,9 +389,9 @@ class RouterService:
         try:
             with self._lock:
                 detail = self.index.match_detail(token_ids, lora_id=lora_id, salt=salt)
+                self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
         except WireError as err:
             raise ApiError(400, f"invalid token_ids: {err}") from None
-        self.metrics.match_latency.observe(time.perf_counter() - t0)
         return {"scores": detail.scores, "block_size": detail.block_size, "tiers": detail.tiers}
 
     def route(
@@ -407,19 +407,20 @@ class RouterService:
         try:
             with self._lock:
                 d = self.router.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt)
+                q = self.metrics.queries
+                q.route_latency.observe(time.perf_counter() - t0)
+                q.observe_route(d.worker, d.matched_tokens, len(token_ids))
         except NoWorkerAvailableError as err:
             raise ApiError(503, f"no worker available: {err}") from None
         except WireError as err:
             raise ApiError(400, f"invalid token_ids: {err}") from None
-        self.metrics.route_latency.observe(time.perf_counter() - t0)
-        self.metrics.observe_route(d.worker, d.matched_tokens)
         return d.to_dict()
 
     def release(self, request_id: str) -> bool:
         """``POST /release``: True when the request was in flight (unknown ids are not errors)."""
         with self._lock:
             found = self.router.release(request_id)
-        self.metrics.releases.labels("released" if found else "unknown").inc()
+            self.metrics.queries.releases["released" if found else "unknown"] += 1
         return found
 
     def workers(self) -> dict[str, Any]:

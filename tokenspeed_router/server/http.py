@@ -96,14 +96,21 @@ def create_app(service: RouterService) -> Starlette:
                 raise ApiError(400, f"invalid Content-Length {length!r}") from None
             if declared > max_body:
                 raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {max_body}")
+        # ASGI messages read directly (Request.stream() is an async generator per call)
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
+        receive = request.receive
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise ApiError(400, "client disconnected before sending the body")
+            chunk = message.get("body", b"")
             size += len(chunk)
             if size > max_body:
                 raise ApiError(413, f"request body exceeds the limit of {max_body} bytes")
             chunks.append(chunk)
-        return b"".join(chunks)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def endpoint(fn: Callable[[Request], Awaitable[Any]], *, auth: bool = True) -> Handler:
         """Wrap a handler: auth, ApiError -> JSON error, anything else -> logged 500."""

@@ -40,8 +40,9 @@ class StateHealth:
     """One replica's view of the shared state.
 
     ``degraded`` is true while Redis is unreachable, while the stream is being
-    re-seeded after Redis lost it, or after entries were lost (trimmed before
-    they were read); the replica keeps serving from memory meanwhile.
+    re-seeded after Redis lost it, and while workers hit by lost entries
+    (dropped by the leader's full buffer, or trimmed before this replica read
+    them) are still resyncing; the replica keeps serving from memory meanwhile.
     ``stream_lag_entries``/``stream_lag_s``: how far this replica's index is
     behind the stream (entries, and age of the newest unapplied entry as far
     as it can tell). ``dropped``: entries the leader could not buffer while

@@ -292,8 +292,12 @@ class RedisStateReplica:
             reasons.append("redis unreachable")
         if follower.waiting:
             reasons.append(follower.waiting)
+        # Lost entries degrade us while the workers they hit are still resyncing.
         if writer.dropped:
-            reasons.append(f"leader dropped {writer.dropped} entries")
+            hurt = applier.still_resyncing(set(writer.dropped_workers))
+            if hurt:
+                reasons.append(f"leader dropped {writer.dropped} entries while Redis was down; "
+                               "resyncing: " + ", ".join(hurt))
         if applier.gap_reason is not None:
             hurt = applier.still_resyncing(set(applier.gap_workers))
             if hurt:
