@@ -282,6 +282,11 @@ class CacheMachine(RuleBasedStateMachine):
             row = allocator.req_to_page[req.req_pool_idx]
             held = -(-len(req.fill_ids) // PAGE_SIZE)
             assert bool((row[:held] > 0).all())
+            # The request's cached prefix reads the tree's pages, not its own duplicates.
+            assert req.last_node is not None
+            chain = chain_of(req.last_node)
+            expect_ids = [self.model[chain[: i + 1]] for i in range(len(chain))]
+            assert row[: len(chain)].tolist() == expect_ids
             slots = self.cache.req_to_token_pool.req_to_token[req.req_pool_idx]  # type: ignore[union-attr]
             expect = (row[:held, None].long() * PAGE_SIZE + torch.arange(PAGE_SIZE)).flatten()
             assert slots[: held * PAGE_SIZE].tolist() == expect.tolist()

@@ -96,6 +96,15 @@ def test_sizes_and_evict_count_tokens() -> None:
     assert cache.total_size() == 0
 
 
+def test_evict_stops_once_enough_tokens_are_freed() -> None:
+    cache = PrefixCache.with_capacity(8, page_size=16)
+    for i in range(3):
+        cache.admit([i] * 16)
+    assert cache.evict(16) == 16, "one page of 16 tokens, not 16 pages"
+    assert cache.evict(17) == 32
+    assert cache.total_size() == 0
+
+
 def test_match_accepts_tokens_pages_and_tensors_and_ignores_partial_tail() -> None:
     cache = PrefixCache.with_capacity(8, page_size=2)
     cache.admit([1, 2, 3, 4, 5])

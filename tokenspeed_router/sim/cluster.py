@@ -271,6 +271,8 @@ class Simulator:
         self._heap: list[tuple[float, int, int, Any]] = []
         self._order = 0
         self._sample_every_s = load_sample_every_s
+        self._published = 0  # event batches numbered in the current run
+        self._lost = 0  # of which dropped by the loss model
 
     # WorkerView ------------------------------------------------------------
     def now(self) -> float:
@@ -308,18 +310,53 @@ class Simulator:
                 backend.finished(payload, self._now)
 
     def _publish(self, worker: SimWorker, events: list[Event], visible_at: float,
-                 backend: RoutingBackend) -> tuple[int, int]:
-        """Schedule one event batch; returns (batches published, batches lost)."""
+                 backend: RoutingBackend) -> None:
+        """Number one event batch and schedule its delivery (unless it is lost)."""
         if not events:
-            return 0, 0
+            return
         seq = worker.seq
         worker.seq += 1
+        self._published += 1
         if not backend.needs_events:
-            return 1, 0
+            return
         if self.config.event_loss_rate and self._rng.random() < self.config.event_loss_rate:
-            return 1, 1
+            self._lost += 1
+            return
         self._push(visible_at + self.config.event_delay_s, _DELIVER, (worker.name, seq, events))
-        return 1, 0
+
+    def _serve(self, req: TraceRequest, tokens: np.ndarray, choice: RouteChoice, now: float,
+               backend: RoutingBackend) -> tuple[SimWorker, int, float, float]:
+        """Run one routed request through its workers: (worker, hit, start, first token).
+
+        Evictions are published at prefill start, stores at prefill end (an
+        engine announces blocks once computed); the decode worker's copy, in a
+        disaggregated run, when the KV transfer completes.
+        """
+        cost = self.config.cost
+        worker = self.worker(choice.worker)
+        hit, events = worker.admit(tokens)
+        start = max(now, worker.free_at)
+        service = cost.prefill_s(req.input_length - hit)
+        end = start + service
+        worker.free_at = end
+        worker.busy_s += service
+        worker.num_requests += 1
+        split = 0
+        while split < len(events) and isinstance(events[split], BlockRemoved):
+            split += 1
+        self._publish(worker, events[:split], start, backend)
+        self._publish(worker, events[split:], end, backend)
+        first_token = end
+        if choice.decode_worker is not None and choice.decode_worker != worker.name:
+            dec = self.worker(choice.decode_worker)
+            d_hit, d_events = dec.admit(tokens)
+            first_token = end + (req.input_length - d_hit) / cost.kv_transfer_tokens_per_s
+            dec.num_requests += 1
+            self._publish(dec, d_events, first_token, backend)
+        self._push(end, _PREFILL_DONE, req.request_id)
+        self._push(first_token + req.output_length * cost.decode_s_per_token, _FINISH,
+                   req.request_id)
+        return worker, hit, start, first_token
 
     def run(
         self,
@@ -330,7 +367,6 @@ class Simulator:
     ) -> RunResult:
         """Replay ``requests`` (sorted by arrival) and return raw outcomes."""
         n = len(requests)
-        cost = self.config.cost
         ttft = np.zeros(n)
         queue = np.zeros(n)
         hits = np.zeros(n, dtype=np.int64)
@@ -342,47 +378,20 @@ class Simulator:
         sample_t: list[float] = []
         sample_b: list[list[float]] = []
         next_sample = 0.0
-        published = lost = 0
+        self._published = self._lost = 0
         t0 = requests[0].arrival_s if n else 0.0
         for i, req in enumerate(requests):
             t = req.arrival_s - t0
             self._drain_until(t, backend)
             self._pacer.wait_until(t)
-            self._now = max(self._now, t)
-            now = self._now
+            self._now = now = max(self._now, t)
             while next_sample <= now:
                 sample_t.append(next_sample)
                 sample_b.append([w.backlog_s(next_sample) for w in self._all])
                 next_sample += self._sample_every_s
             tokens = self._synth.tokens(req)
             choice = backend.route(req, tokens)
-            worker = self.worker(choice.worker)
-            hit, events = worker.admit(tokens)
-            start = max(now, worker.free_at)
-            service = cost.prefill_s(req.input_length - hit)
-            end = start + service
-            worker.free_at = end
-            worker.busy_s += service
-            worker.num_requests += 1
-            split = 0
-            while split < len(events) and isinstance(events[split], BlockRemoved):
-                split += 1
-            for batch, when in ((events[:split], start), (events[split:], end)):
-                p, q = self._publish(worker, batch, when, backend)
-                published += p
-                lost += q
-            first_token = end
-            if choice.decode_worker is not None and choice.decode_worker != worker.name:
-                dec = self.worker(choice.decode_worker)
-                d_hit, d_events = dec.admit(tokens)
-                first_token = end + (req.input_length - d_hit) / cost.kv_transfer_tokens_per_s
-                dec.num_requests += 1
-                p, q = self._publish(dec, d_events, first_token, backend)
-                published += p
-                lost += q
-            self._push(end, _PREFILL_DONE, req.request_id)
-            self._push(first_token + req.output_length * cost.decode_s_per_token, _FINISH,
-                       req.request_id)
+            worker, hit, start, first_token = self._serve(req, tokens, choice, now, backend)
             arrivals[i] = t
             ttft[i] = first_token - now
             queue[i] = start - now
@@ -408,6 +417,6 @@ class Simulator:
             load_times_s=np.array(sample_t),
             load_backlog_s=np.array(sample_b).reshape(len(sample_t), len(self._all)),
             num_prefill_workers=len(self._prefill),
-            events_published=published,
-            events_lost_batches=lost,
+            events_published=self._published,
+            events_lost_batches=self._lost,
         )

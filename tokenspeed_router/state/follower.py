@@ -183,6 +183,12 @@ class StreamFollower:
                 if backoff.wait():
                     return
                 continue
+            except Exception as err:  # a bug must not silently freeze this replica's index
+                self.last_error = f"{type(err).__name__}: {err}"
+                logger.exception("state follower: unexpected error")
+                if backoff.wait():
+                    return
+                continue
             if not self.connected:
                 logger.info("state follower: Redis reachable again; catching up")
             self.connected = True
@@ -287,7 +293,7 @@ class StreamFollower:
         meta, envelope = loaded
         self.applier.install(envelope, fresh=self._warming)
         self.snapshot_version_loaded = meta.version
-        self.stream_end_n = max(meta.n, self.stream_end_n)
+        self.stream_end_n = meta.n  # refreshed from the counter by _periodic
         self._last_snapshot_mono = time.monotonic()
         self.waiting = None
         logger.info("state follower: loaded snapshot v%d (gen %s, n=%d, %d blocks)",

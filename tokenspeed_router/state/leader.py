@@ -293,6 +293,13 @@ class LeaderWriter:
                 logger.info("state leader: append fenced off (%s)", err)
                 self._on_fenced(current)
                 continue
+            except Exception as err:  # StateBackendError or a bug: keep the entries, retry
+                self._set_in_flight(0)
+                self.last_error = f"{type(err).__name__}: {err}"
+                logger.exception("state leader: append failed")
+                if backoff.wait():
+                    return
+                continue
             self.connected = True
             backoff.reset()
             with self._cond:

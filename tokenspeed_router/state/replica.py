@@ -190,6 +190,9 @@ class RedisStateReplica:
                     logger.warning("state lease: Redis unreachable (%s)", err)
                 self.lease_connected = False
                 self.last_error = f"{type(err).__name__}: {err}"
+            except Exception as err:  # a bug must not silently end leader election
+                logger.exception("state lease: unexpected error")
+                self.last_error = f"{type(err).__name__}: {err}"
             self._wake.wait(interval)
             self._wake.clear()
 
@@ -230,7 +233,14 @@ class RedisStateReplica:
         logger.warning("state: this replica (%s) is now the ingestion leader (fence %d)",
                        self.config.replica_id, token)
         if self._ingestion is not None:
-            self._ingestion[0](dict(self.start_seqs))
+            try:
+                self._ingestion[0](dict(self.start_seqs))
+            except Exception:
+                logger.exception("state: could not subscribe to the workers; giving the lease back")
+                self.writer.deactivate()
+                self._stop_ingestion()
+                self._lease.release()
+                return
         self._role = "leader"
 
     def _wait_caught_up(self) -> bool:
