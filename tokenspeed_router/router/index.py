@@ -625,7 +625,7 @@ class KvIndex:
             len(hashes) != 1
             or len(toks) != bs
             or ev.block_size != bs
-            or ev.extra_keys is not None
+            or type(ev.extra_keys) is dict  # dumped content ids (vLLM sends a list here)
             or _FAST_MEDIA.get(ev.medium) is None
         ):
             return None
