@@ -201,14 +201,14 @@ def main(argv: list[str] | None = None) -> int:
         f"# bench_cache: {num_requests} requests ({sum(map(len, requests)) / len(requests):.0f} tokens avg), "
         f"seed {args.seed}, best of {repeat}; python {platform.python_version()}, torch {torch.__version__}"
     )
-    print(f"{'case':<28} {'page':>4} {'pages':>7} {'ops':>6} {'cpu s':>8} {'ops/s':>10} {'pages/s':>11} {'x vs events off':>15}")
+    print(f"{'case':<28} {'page':>4} {'capacity':>8} {'ops':>6} {'cpu s':>8} {'ops/s':>10} {'pages/s':>11} {'x vs events off':>15}")
     rows: list[Row] = []
     for page_size in args.page_sizes:
         for row in bench_page_size(page_size, num_pages, requests, repeat):
             rows.append(row)
             ratio = "" if row.ratio_vs_baseline is None else f"{row.ratio_vs_baseline:.2f}"
             print(
-                f"{row.case:<28} {row.page_size:>4} {row.num_pages:>7} {row.ops:>6} {row.best_s:>8.3f} "
+                f"{row.case:<28} {row.page_size:>4} {row.num_pages:>8} {row.ops:>6} {row.best_s:>8.3f} "
                 f"{row.ops_per_s:>10.1f} {row.pages_per_s:>11.0f} {ratio:>15}"
             )
             sys.stdout.flush()

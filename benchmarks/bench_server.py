@@ -258,6 +258,8 @@ def loadgen_main(args: argparse.Namespace) -> int:
         n = spec["prompt_tokens"]
         prompt = cached[: n // 2] + [rng.randrange(150_000) for _ in range(n - min(n // 2, len(cached)))]
         prompts.append(prompt)
+    sys.stdout.write("ready\n")  # the orchestrator starts streaming (and probing) only now
+    sys.stdout.flush()
     if spec["mode"] == "http":
         import shutil
 
@@ -277,9 +279,11 @@ def loadgen_main(args: argparse.Namespace) -> int:
 def _loadgen(spec: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[str]:
     proc = subprocess.Popen([sys.executable, __file__, "--role", "loadgen"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdin is not None
+    assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(json.dumps(spec))
     proc.stdin.close()
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError("load generator failed to start")
     return proc
 
 

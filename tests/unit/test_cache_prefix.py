@@ -325,3 +325,16 @@ def test_caching_more_tokens_than_the_request_allocated_is_refused() -> None:
     cache.cache_finished_req(req, token_ids=[1, 1, 2])
     acc = cache.page_accounting()
     assert acc.consistent and acc.tree == 1 and acc.requests == 0
+
+
+def test_cached_prefix_length_is_read_only() -> None:
+    cache = PrefixCache.with_capacity(8, page_size=2, eviction_policy="lru")
+    cache.admit([1, 1, 2, 2, 3, 3])
+    cache.admit([4, 4])
+    node = cache.match_prefix([1, 1, 2, 2, 3, 3]).last_device_node
+    stamp, hits = node.last_access_time, node.hit_count
+    assert cache.cached_prefix_length([1, 1, 2, 2, 9, 9]) == 4
+    assert cache.cached_prefix_length([1, 1, 2, 2, 3, 3, 5]) == 6
+    assert cache.cached_prefix_length([7, 7]) == 0
+    assert node.last_access_time == stamp and node.hit_count == hits
+    assert node.parent is cache.root_node, "no split happened"

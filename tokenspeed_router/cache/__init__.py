@@ -20,13 +20,8 @@ from tokenspeed_router.cache.eviction import (
     make_eviction_strategy,
 )
 from tokenspeed_router.cache.pages import PageAccounting, PagedKVAllocator, ReqToTokenPool
-from tokenspeed_router.cache.prefix_cache import (
-    CacheInitParams,
-    CacheStatistics,
-    MatchResult,
-    PrefixCache,
-    Req,
-)
+from tokenspeed_router.cache.prefix_cache import PrefixCache
+from tokenspeed_router.cache.records import CacheInitParams, CacheStatistics, MatchResult, Req
 from tokenspeed_router.cache.sink import BatchPublisher, KvEventSink
 from tokenspeed_router.cache.tree import TreeNode
 

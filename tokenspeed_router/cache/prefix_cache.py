@@ -1,8 +1,8 @@
 """Paged radix prefix cache for a worker's KV pages, publishing exact KV events.
 
 Written from the design of ``shared/seed/prefix_cache.py`` (TokenSpeed), with
-its imports supplied by :mod:`.pages`, :mod:`.eviction` and :mod:`.tree`, and
-its event bugs fixed:
+its imports supplied by :mod:`.pages`, :mod:`.eviction`, :mod:`.tree` and
+:mod:`.records`, and its event bugs fixed:
 
 * **Units.** Every size this class reports (``evictable_size``,
   ``protected_size``, ``total_size``, ``evict(num_tokens)``, ``admit``'s
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import array
 import collections
-import dataclasses
 import functools
 import heapq
 import itertools
@@ -53,6 +52,7 @@ from tokenspeed_router.cache.pages import (
     PagedKVAllocator,
     ReqToTokenPool,
 )
+from tokenspeed_router.cache.records import CacheInitParams, CacheStatistics, MatchResult, Req
 from tokenspeed_router.cache.sink import BatchPublisher, KvEventSink
 from tokenspeed_router.cache.tree import PageKey, TreeNode, key_match, page_tokens, paginate
 from tokenspeed_router.errors import CacheError, ConfigError, OutOfPagesError
@@ -65,100 +65,6 @@ logger = logging.getLogger(__name__)
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
-
-
-@dataclasses.dataclass
-class CacheInitParams:
-    """Construction parameters (the seed's fields, then ours appended with defaults).
-
-    ``page_size`` is taken from the allocator when one is given (they must
-    agree). ``token_to_kv_pool``, ``tp_cache_group`` and ``enable_metrics``
-    are accepted for signature compatibility and unused: this cache holds no
-    KV tensors and runs on one rank.
-    """
-
-    disable: bool
-    req_to_token_pool: ReqToTokenPool | None
-    token_to_kv_pool_allocator: PagedKVAllocator | None
-    page_size: int
-
-    token_to_kv_pool: Any = None
-    tp_cache_group: Any = None
-    eviction_policy: str | EvictionPolicy = "lru"
-    disable_finished_insert: bool = False
-
-    enable_metrics: bool = False
-    enable_kv_cache_events: bool = False
-    #: ``medium`` of every event (None on the wire means GPU).
-    medium: str | None = None
-    #: LoRA adapter of every block this cache holds: seeds the hash chain and rides on BlockStored.
-    lora_id: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class MatchResult:
-    """Result of :meth:`PrefixCache.match_prefix`.
-
-    ``device_indices`` are the tree's page ids for the matched full pages;
-    ``device_prefix_length`` is the match in tokens (pages x page_size).
-    """
-
-    device_indices: torch.Tensor
-    last_device_node: TreeNode
-    last_host_node: TreeNode
-    device_prefix_length: int = 0
-    host_hit_length: int = 0
-
-
-@dataclasses.dataclass(eq=False)
-class Req:
-    """The request state the cache reads and writes (a minimal engine ``Req``).
-
-    ``last_node`` is the tree node the request holds a lock on (its cached
-    prefix); ``req_pool_idx`` its slot in the pools; ``priority`` feeds the
-    ``priority`` eviction policy.
-    """
-
-    origin_input_ids: list[int]
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    req_pool_idx: int | None = None
-    last_node: TreeNode | None = None
-    priority: int = 0
-    #: Tree page ids of the request's cached prefix, refreshed by cache_unfinished_req.
-    prefix_indices: torch.Tensor | None = None
-
-    #: Set by an engine that prefills in chunks; None means prompt plus generated tokens.
-    fill_ids_override: list[int] | None = None
-
-    @property
-    def fill_ids(self) -> list[int]:
-        """Tokens whose KV the request has computed (what ``cache_unfinished_req`` caches)."""
-        if self.fill_ids_override is not None:
-            return self.fill_ids_override
-        return self.origin_input_ids + self.output_ids
-
-    @fill_ids.setter
-    def fill_ids(self, value: list[int] | None) -> None:
-        self.fill_ids_override = value
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheStatistics:
-    """Snapshot of a cache's sizes (tokens) and counters."""
-
-    page_size: int
-    total_pages: int
-    free_pages: int
-    cached_tokens: int
-    evictable_tokens: int
-    protected_tokens: int
-    num_nodes: int
-    num_admitted: int
-    admitted_tokens: int
-    hit_tokens: int
-    evicted_tokens: int
-    events_emitted: int
-    events_pending: int
 
 
 def _emits(
@@ -313,6 +219,29 @@ class PrefixCache:
             return self._empty_match_result()
         values, last = self._match(pages, count_hit=True)
         return self._match_result(values, last)
+
+    def cached_prefix_length(self, key: Sequence[int] | Sequence[tuple[int, ...]] | Any) -> int:
+        """Tokens of ``key``'s longest cached prefix (full pages), strictly read-only.
+
+        Unlike :meth:`match_prefix` it touches no access time or hit count and
+        splits nothing, so an observer (a simulator's oracle, a metrics probe)
+        can look without changing what gets evicted next.
+        """
+        if self.disable:
+            return 0
+        pages = paginate(key, self.page_size)
+        node = self.root_node
+        i = 0
+        while i < len(pages):
+            child = node.children.get(pages[i])
+            if child is None:
+                break
+            n = key_match(child.key, pages, i)
+            i += n
+            if n < len(child.key):
+                break
+            node = child
+        return i * self.page_size
 
     @_emits
     def insert(
