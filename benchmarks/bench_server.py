@@ -539,6 +539,7 @@ def main() -> int:
     parser.add_argument("--blocks-per-s", type=float, default=100_000)
     parser.add_argument("--duration", type=float, default=None, help="seconds per phase")
     parser.add_argument("--http-conns", type=int, default=4)
+    parser.add_argument("--no-wrk", action="store_true", help="use the Python HTTP client even if wrk exists")
     parser.add_argument("--prompt-tokens", type=int, default=1024,
                         help="tokens per /route request; the first half is cached on some worker")
     parser.add_argument("--zmq-window", type=int, default=32)
@@ -572,7 +573,7 @@ def main() -> int:
         _wait_caught_up(http_port, streamer)
         base = {"seed": 1, "workers": args.workers, "duration_s": duration, "port": http_port,
                 "endpoint": zmq_ep, "conns": args.http_conns, "window": args.zmq_window,
-                "prompt_tokens": args.prompt_tokens}
+                "prompt_tokens": args.prompt_tokens, "python_client": args.no_wrk}
 
         def phase(name: str, spec: dict[str, Any], blocks_per_s: float, probes: int = 0) -> dict[str, Any]:
             _wait_caught_up(http_port, streamer)  # no backlog from the previous phase

@@ -9,10 +9,12 @@ index consistency problems carry enough context to ask for a replay.
 from __future__ import annotations
 
 __all__ = [
+    "CacheError",
     "ConfigError",
     "EventLogError",
     "IndexConsistencyError",
     "NoWorkerAvailableError",
+    "OutOfPagesError",
     "PublishError",
     "QueueFullError",
     "ReplayUnavailableError",

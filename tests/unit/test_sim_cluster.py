@@ -144,3 +144,14 @@ def test_oracle_breaks_ties_with_its_rng() -> None:
     tokens = TokenSynthesizer().tokens(TINY[0])
     picks = {a.route(TINY[0], tokens).worker for _ in range(20)}
     assert picks == {"w0", "w1"}  # both idle and cold: ties are spread, not always w0
+
+
+def test_simulate_cli_accepts_the_synthetic_generator(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    cli_simulate.add_arguments(parser)
+    args = parser.parse_args(["--trace", "synthetic", "--synthetic-requests", "60", "--workers", "2",
+                              "--capacity-tokens", "100000", "--policies", "round_robin,kv_aware",
+                              "--router-option", "prefill_weight=2", "--quiet"])
+    assert cli_simulate.run(args) == 0
+    table = capsys.readouterr().out
+    assert "\nround_robin " in table and "\nkv_aware " in table and "\noracle " not in table

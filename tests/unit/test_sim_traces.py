@@ -92,3 +92,12 @@ def test_workload_is_deterministic_and_prefix_consistent() -> None:
             assert prefix_of.setdefault(h, r.hash_ids[:i]) == r.hash_ids[:i]
     stats = trace_summary(a)
     assert 0.3 < stats["ideal_hit_ratio"] < 1.0  # shared system prompts and growing chats
+
+
+def test_demo_slice_ships_as_package_data() -> None:
+    from tokenspeed_router.sim.cli_demo import demo_requests
+
+    reqs = demo_requests(rate_scale=8.0)
+    assert len(reqs) == 399
+    assert reqs[-1].arrival_s < 130.0  # 1022 s of trace, 8x faster
+    assert trace_summary(reqs)["ideal_hit_ratio"] > 0.7

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -163,6 +164,10 @@ def run(args: argparse.Namespace) -> int:
           f"{stats['ideal_hit_ratio']:.1%}", file=sys.stderr)
     bar = None if args.quiet else ProgressBar()
     signal = not args.no_prefill_signal
+    if args.event_loss > 0 or args.sweep_event_loss:
+        # Losses are deliberate here: one resync warning per lost batch would bury the table.
+        ingest_log = logging.getLogger("tokenspeed_router.router.ingest")
+        ingest_log.setLevel(max(ingest_log.getEffectiveLevel(), logging.ERROR))
     runs = run_policies(policies, requests, cluster, router_options=router_options,
                         signal_prefill_done=signal, progress=bar)
     sweeps: dict[str, Any] = {}

@@ -209,7 +209,7 @@ def write_plots(runs: Mapping[str, RunResult], out_dir: Path, *, title: str) -> 
     fig.suptitle(title)
     fig.tight_layout()
     path = out_dir / "load.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     paths.append(path)
     return paths
