@@ -23,6 +23,7 @@ def main() -> None:
     cluster = ClusterConfig(num_workers=8, capacity_tokens=400_000, page_size=16,
                             event_delay_s=0.01, seed=0)
     print(f"{n} requests, {tokens / 1e6:.1f} M prompt tokens, 8 workers, page 16")
+    run_policy("kv_aware", requests[:20], cluster)  # warm-up: imports torch, the cache, the index
     base = None
     for policy in ("round_robin", "least_loaded", "approx", "kv_aware", "oracle"):
         t0 = time.perf_counter()

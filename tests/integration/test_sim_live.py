@@ -40,5 +40,7 @@ def test_live_and_fast_agree_on_hit_ratio() -> None:
     fast_run = run_policy("kv_aware", requests, demo_cluster(3, event_delay_s=0.005),
                           router_options=RECOMMENDED_ROUTER_OPTIONS, signal_prefill_done=False)
     live_m, fast_m = policy_metrics(live_run), policy_metrics(fast_run)
-    assert live_m["hit_ratio"] > 0.2
-    assert live_m["hit_ratio"] == pytest.approx(fast_m["hit_ratio"], abs=0.05)
+    # Same slice, same caches, same router config: only the event path differs
+    # (real ZMQ + HTTP timing vs a 5 ms in-process delay).
+    assert live_m["hit_ratio"] > 0.2, live_m
+    assert live_m["hit_ratio"] == pytest.approx(fast_m["hit_ratio"], abs=0.05), (live_m, fast_m)

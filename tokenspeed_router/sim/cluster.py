@@ -59,6 +59,8 @@ __all__ = [
     "SimWorker",
     "Simulator",
     "WorkerView",
+    "probe_hit_tokens",
+    "probe_pages",
 ]
 
 logger = logging.getLogger(__name__)
@@ -137,6 +139,36 @@ def _make_cache(config: ClusterConfig) -> Any:
         max_context_len=config.capacity_tokens,  # never truncate a prompt that fits
         debug_checks=False,  # page-accounting asserts cost time and are tested elsewhere
     )
+
+
+def probe_hit_tokens(cache: Any, tokens: Any) -> int:
+    """Cached prefix length of ``tokens`` in a worker cache, without side effects.
+
+    ``PrefixCache.match_prefix`` touches access times and splits nodes, which
+    would refresh LRU state on every worker the oracle merely looks at; this
+    walks the radix tree read-only instead (full pages only, like a match).
+    """
+    from tokenspeed_router.cache.tree import paginate
+
+    return probe_pages(cache, paginate(tokens, cache.page_size))
+
+
+def probe_pages(cache: Any, pages: list[Any]) -> int:
+    """:func:`probe_hit_tokens` for a prompt already cut into the cache's page keys."""
+    from tokenspeed_router.cache.tree import key_match
+
+    node = cache.root_node
+    i = 0
+    while i < len(pages):
+        child = node.children.get(pages[i])
+        if child is None or child.value is None:
+            break
+        n = key_match(child.key, pages, i)
+        i += n
+        if n < len(child.key):
+            break
+        node = child
+    return i * int(cache.page_size)
 
 
 class SimWorker:
@@ -238,7 +270,8 @@ class RunResult:
 
 # Heap item kinds, ordered so that at equal times events are delivered before
 # a request completes and completions before the next arrival is routed.
-_DELIVER, _PREFILL_DONE, _FINISH = 0, 1, 2
+# A disaggregated decode worker's admission (KV arrival) comes first.
+_ADMIT, _DELIVER, _PREFILL_DONE, _FINISH = 0, 1, 2, 3
 
 
 class Simulator:
@@ -302,8 +335,17 @@ class Simulator:
             self._pacer.wait_until(when)
             self._now = max(self._now, when)
             if kind == _DELIVER:
-                worker, seq, events = payload
-                backend.deliver(worker, seq, events, self._now)
+                name, events, lost = payload
+                # Numbered when sent, so each worker's stream is in time order.
+                worker = self._by_name[name]
+                seq = worker.seq
+                worker.seq += 1
+                if not lost:
+                    backend.deliver(name, seq, events, self._now)
+            elif kind == _ADMIT:
+                worker, tokens = payload
+                _, events = worker.admit(tokens)
+                self._publish(worker, events, self._now, backend)
             elif kind == _PREFILL_DONE:
                 backend.prefill_done(payload, self._now)
             else:
@@ -311,30 +353,40 @@ class Simulator:
 
     def _publish(self, worker: SimWorker, events: list[Event], visible_at: float,
                  backend: RoutingBackend) -> None:
-        """Number one event batch and schedule its delivery (unless it is lost)."""
+        """Schedule one event batch; a lost one still takes its seq (a gap)."""
         if not events:
             return
-        seq = worker.seq
-        worker.seq += 1
         self._published += 1
         if not backend.needs_events:
             return
-        if self.config.event_loss_rate and self._rng.random() < self.config.event_loss_rate:
-            self._lost += 1
-            return
-        self._push(visible_at + self.config.event_delay_s, _DELIVER, (worker.name, seq, events))
+        lost = bool(self.config.event_loss_rate) and self._rng.random() < self.config.event_loss_rate
+        self._lost += lost
+        self._push(visible_at + self.config.event_delay_s, _DELIVER, (worker.name, events, lost))
 
     def _serve(self, req: TraceRequest, tokens: np.ndarray, choice: RouteChoice, now: float,
                backend: RoutingBackend) -> tuple[SimWorker, int, float, float]:
         """Run one routed request through its workers: (worker, hit, start, first token).
 
         Evictions are published at prefill start, stores at prefill end (an
-        engine announces blocks once computed); the decode worker's copy, in a
-        disaggregated run, when the KV transfer completes.
+        engine announces blocks once computed). In a disaggregated run the
+        decode worker's cache takes the KV when the transfer completes; the
+        transfer moves what a read-only probe says it lacks at routing time.
         """
         cost = self.config.cost
         worker = self.worker(choice.worker)
         hit, events = worker.admit(tokens)
+        if worker.role == "decode":
+            # The router let a decode worker prefill a short tail itself: it does so
+            # inside its running batch (no prefill queue), and its events go out at
+            # once, so that its stream stays in the order its cache changed.
+            service = cost.prefill_s(req.input_length - hit)
+            worker.busy_s += service
+            worker.num_requests += 1
+            self._publish(worker, events, now, backend)
+            self._push(now + service, _PREFILL_DONE, req.request_id)
+            self._push(now + service + req.output_length * cost.decode_s_per_token, _FINISH,
+                       req.request_id)
+            return worker, hit, now, now + service
         start = max(now, worker.free_at)
         service = cost.prefill_s(req.input_length - hit)
         end = start + service
@@ -349,10 +401,10 @@ class Simulator:
         first_token = end
         if choice.decode_worker is not None and choice.decode_worker != worker.name:
             dec = self.worker(choice.decode_worker)
-            d_hit, d_events = dec.admit(tokens)
+            d_hit = probe_hit_tokens(dec.cache, tokens)
             first_token = end + (req.input_length - d_hit) / cost.kv_transfer_tokens_per_s
             dec.num_requests += 1
-            self._publish(dec, d_events, first_token, backend)
+            self._push(first_token, _ADMIT, (dec, tokens))
         self._push(end, _PREFILL_DONE, req.request_id)
         self._push(first_token + req.output_length * cost.decode_s_per_token, _FINISH,
                    req.request_id)

@@ -21,10 +21,24 @@ from typing import Any
 import numpy as np
 
 from tokenspeed_router.events.schema import Event, KVEventBatch
-from tokenspeed_router.sim.cluster import ClusterConfig, RouteChoice, SimWorker, WorkerView
+from tokenspeed_router.sim.cluster import (
+    ClusterConfig,
+    RouteChoice,
+    SimWorker,
+    WorkerView,
+    probe_hit_tokens,
+    probe_pages,
+)
 from tokenspeed_router.sim.traces import TraceRequest
 
-__all__ = ["ROUTER_POLICIES", "OracleBackend", "RouterBackend", "make_backend"]
+__all__ = [
+    "ROUTER_POLICIES",
+    "OracleBackend",
+    "RouterBackend",
+    "make_backend",
+    "probe_hit_tokens",
+    "probe_pages",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -154,36 +168,6 @@ class _Pages:
 
             got = self._by_size[page_size] = paginate(self._tokens, page_size)
         return got
-
-
-def probe_hit_tokens(cache: Any, tokens: Any) -> int:
-    """Cached prefix length of ``tokens`` in a worker cache, without side effects.
-
-    ``PrefixCache.match_prefix`` touches access times and splits nodes, which
-    would refresh LRU state on every worker the oracle merely looks at; this
-    walks the radix tree read-only instead (full pages only, like a match).
-    """
-    from tokenspeed_router.cache.tree import paginate
-
-    return probe_pages(cache, paginate(tokens, cache.page_size))
-
-
-def probe_pages(cache: Any, pages: list[Any]) -> int:
-    """:func:`probe_hit_tokens` for a prompt already cut into the cache's page keys."""
-    from tokenspeed_router.cache.tree import key_match
-
-    node = cache.root_node
-    i = 0
-    while i < len(pages):
-        child = node.children.get(pages[i])
-        if child is None or child.value is None:
-            break
-        n = key_match(child.key, pages, i)
-        i += n
-        if n < len(child.key):
-            break
-        node = child
-    return i * int(cache.page_size)
 
 
 def make_backend(
