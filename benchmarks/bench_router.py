@@ -252,6 +252,7 @@ TRACE_POLICIES: dict[str, dict[str, Any]] = {
     "least_loaded": {"policy": "least_loaded"},
     "approx": {"policy": "approx"},
     "prefix_only": {"queue_weight": 0.0, "decode_weight": 0.0},
+    "previous_defaults": {"prefill_weight": 1.0, "predict_on_route_ttl_s": 0.0},
     "kv_aware": {},
 }
 

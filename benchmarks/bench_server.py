@@ -524,7 +524,7 @@ def _wait_caught_up(http_port: int, streamer: Streamer, poll_s: float = 0.05) ->
     want = {f"w{w}": p.statistics().published - 1 for w, p in enumerate(streamer.pubs)}
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        ws = httpx.get(f"http://127.0.0.1:{http_port}/workers", timeout=5).json()["workers"]
+        ws = httpx.get(f"http://127.0.0.1:{http_port}/workers", timeout=5).json()
         if all(ws[n]["last_seq"] == s for n, s in want.items()):
             return
         threading.Event().wait(poll_s)

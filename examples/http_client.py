@@ -62,7 +62,7 @@ def main() -> int:
                 print(f"route {name:<8} -> {decision['worker']} "
                       f"(cached {decision['matched_tokens']} of {len(prompt)} tokens)")
                 client.release(decision["request_id"])
-            print("workers       ->", {n: (w["state"], w["blocks"]) for n, w in client.workers()["workers"].items()})
+            print("workers       ->", {n: (w["state"], w["blocks"]) for n, w in client.workers().items()})
     finally:
         router.terminate()
         router.wait(10)

@@ -80,7 +80,7 @@ dp_ranks = 2
     try:
         with HttpRouterClient(f"http://127.0.0.1:{http}") as client:
             client.wait_ready()
-            print("workers:", {n: w["role"] for n, w in client.workers()["workers"].items()})
+            print("workers:", {n: w["role"] for n, w in client.workers().items()})
             doc = list(range(5000, 5000 + 64 * BLOCK))  # a 1,024-token document
             store(prefill[1], doc)  # prefill1 computed it before
             store(decode[1], doc[: 4 * BLOCK])  # decode/dp1 holds its first 64 tokens

@@ -60,7 +60,7 @@ def main() -> int:
                 pub.publish(KVEventBatch(time.time(), events))
                 prompts.append(toks)
             want = {f"w{i}": p.statistics().published - 1 for i, p in enumerate(pubs)}
-            while any(client.workers()["workers"][w]["last_seq"] != s for w, s in want.items()):
+            while any(client.workers()[w]["last_seq"] != s for w, s in want.items()):
                 threading.Event().wait(0.01)
             live = [client.match(p) for p in prompts]
     finally:

@@ -61,7 +61,7 @@ def main() -> int:
             print(f"{n} route+release round trips in {elapsed:.2f}s "
                   f"({2 * n / elapsed:.0f} calls/s on one synchronous client)")
             print(f"requests sent to the worker caching their document: {sum(chosen)}/{n}")
-            print("workers:", {name: w["blocks"] for name, w in client.workers()["workers"].items()})
+            print("workers:", {name: w["blocks"] for name, w in client.workers().items()})
     finally:
         router.terminate()
         router.wait(10)

@@ -49,8 +49,13 @@ def make_router(
     clock: Any = None,
     **options: Any,
 ) -> Router:
-    """A Router over ``index`` with ``workers`` (role both) and a fake clock."""
+    """A Router over ``index`` with ``workers`` (role both) and a fake clock.
+
+    Predict-on-route is off unless asked for: a stub index is the whole truth
+    in these tests (its own tests and the trace tests run the defaults).
+    """
     options.setdefault("request_id_prefix", "t")
+    options.setdefault("predict_on_route_ttl_s", 0.0)
     router = Router(index, RouterConfig(**options), clock=clock or FakeClock())
     for w in workers:
         router.add_worker(w)

@@ -57,6 +57,11 @@ def removed(token_ids: Sequence[int], first_block: int, num_blocks: int, block_s
     return BlockRemoved(block_hashes=hashes[first_block : first_block + num_blocks])
 
 
+def nonzero(scores: dict[str, int]) -> dict[str, int]:
+    """Match scores without the workers that hold nothing (the index lists those with 0)."""
+    return {w: n for w, n in scores.items() if n}
+
+
 def batch(*events: Event, ts: float = 1.0) -> KVEventBatch:
     return KVEventBatch(ts, list(events))
 
@@ -136,7 +141,7 @@ class ServeProcess:
         return resp.json()
 
     def workers(self) -> dict[str, Any]:
-        return dict(self.get("/workers")["workers"])
+        return dict(self.get("/workers"))
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -281,9 +286,9 @@ class CapturePublisher:
         self.ctx.term()
 
     def expected_matches(self, names: dict[str, str]) -> Iterator[tuple[list[int], dict[str, int]]]:
-        """(query tokens, expected non-zero scores renamed with ``names``) for every manifest query."""
+        """(query tokens, expected scores, zeros included, renamed with ``names``) for every manifest query."""
         for q in self.manifest["queries"]:
-            expected = {names[w]: n for w, n in q["matched_blocks"].items() if n > 0}
+            expected = {names[w]: n for w, n in q["matched_blocks"].items()}
             yield q["tokens"], expected
 
 

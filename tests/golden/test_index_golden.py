@@ -70,13 +70,15 @@ def test_capture_queries_match_manifest(capture: str) -> None:
     index, manifest = _build(capture)
     assert len(CAPTURES) == 4
     for query in manifest["queries"]:
-        expected = {w: n for w, n in query["matched_blocks"].items() if n}
+        expected = query["matched_blocks"]  # every worker, zeros included (DESIGN §5)
         got = index.match(query["tokens"])
         assert got == expected, f"{capture}: {query['description']}"
         detail = index.match_detail(query["tokens"])
         assert detail.scores == expected
+        assert detail.tiers.keys() == detail.block_size.keys() == expected.keys()
         for worker, score in detail.scores.items():
             assert sum(detail.tiers[worker].values()) == score
+            assert detail.block_size[worker] == manifest["block_size"]
         best = max(got.values(), default=0)
         assert sorted(w for w, n in got.items() if n == best and best) == sorted(query["best_workers"])
 

@@ -190,3 +190,52 @@ def test_crash_restart_drops_and_resync(tmp_path: Path) -> None:
         crash.kill()
         for closer in (lossy_proxy.close, holes_proxy.close, lossy.close, holes.close, *closers):
             closer()
+
+
+
+def test_stale_worker_is_live_again_after_its_publisher_restarts() -> None:
+    """A worker marked ``stale`` (endpoint gone) comes back ``live`` on the restarted
+    publisher's first batch, with the old incarnation's blocks gone.
+
+    (The exact collision — old last seq 0, new first seq 0 — is detected by the
+    subscriber from the payload; see tests/integration/test_events_restart.py.)
+    """
+    from tokenspeed_router.server import RouterService, ServerConfig, WorkerSpec
+
+    ev, rp = f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}"
+    pub = ZmqEventPublisher(ev, replay_endpoint=rp)
+    service = RouterService(ServerConfig(http=None, stale_after_s=0.3,
+                                         workers=(WorkerSpec(name="w0", events=ev, replay=rp),)))
+    service.start()
+    try:
+        old, new = tokens(1, 2), tokens(2, 1)
+
+        def w0() -> dict[str, Any]:
+            return dict(service.workers()["w0"])
+
+        wait_until(lambda: w0()["connected"], 10, what="connected")
+        # slow joiner: empty batches until one arrives, then the real one
+        wait_until(lambda: pub.publish_events([], ts=0.0) >= 0 and w0()["last_seq"] is not None, 10,
+                   what="subscribed")
+        for _ in range(50):  # the old incarnation gets well ahead: the new one's seqs go back
+            pub.publish_events([], ts=0.0)
+        pub.publish(batch(stored(old)))
+        wait_until(lambda: service.match(old)["scores"].get("w0") == 2, 10, what="old blocks visible")
+        pub.close()
+        wait_until(lambda: w0()["state"] == "stale", 10, what="stale")
+        assert not w0()["connected"]
+        route = service.route(old)
+        assert route["matched_blocks"] == 0  # stale scores as cold
+        pub = ZmqEventPublisher(ev, replay_endpoint=rp)
+        wait_until(lambda: w0()["connected"], 10, what="reconnected")
+        wait_until(lambda: pub.publish_events([], ts=0.0) >= 0 and w0()["restarts"] >= 1, 10,
+                   what="restart detected")
+        pub.publish(batch(stored(new), ts=2.0))
+        wait_until(lambda: service.match(new)["scores"].get("w0") == 1, 10, what="new blocks visible")
+        info = w0()
+        assert info["state"] == "live" and info["blocks"] == 1 and info["epoch"] >= 1
+        assert service.match(old)["scores"].get("w0", 0) == 0  # the old incarnation's blocks are gone
+        assert service.route(new)["worker"] == "w0"
+    finally:
+        service.stop()
+        pub.close()

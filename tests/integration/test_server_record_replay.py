@@ -22,6 +22,7 @@ from server_support import (
     CapturePublisher,
     ServeProcess,
     batch,
+    nonzero,
     removed,
     stored,
     tokens,
@@ -30,6 +31,7 @@ from server_support import (
 from support import REPO_ROOT, free_tcp_port, wait_until
 
 from tokenspeed_router.errors import RouterApiError
+from tokenspeed_router.events.log import EventLogReader
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 from tokenspeed_router.server import ZmqRouterClient
 
@@ -141,6 +143,10 @@ def test_record_serve_replay_equivalence(tmp_path: Path) -> None:
             out = _cli("inspect", router.url, "--auth-token", "hunter2", "--json")
             assert out.returncode == 0, out.stderr
             assert json.loads(out.stdout)["workers"]["pf"]["blocks"] == workers["pf"]["blocks"]
+            # the URL may name an endpoint; no httpx INFO lines in the table output
+            out = _cli("inspect", router.url + "/workers", "--auth-token", "hunter2")
+            assert out.returncode == 0, out.stderr
+            assert "pool/dp1" in out.stdout and "HTTP Request" not in out.stderr, out.stderr
             assert router.stop() == 0  # SIGTERM: clean exit, log flushed
     finally:
         for p in pubs:
@@ -198,6 +204,9 @@ def test_record_command_and_capture_replay(captures: Path, tmp_path: Path) -> No
         assert out.returncode == 0, out.stderr
         for line, q in zip(out.stdout.splitlines(), manifest["queries"], strict=True):
             expected = {w: n for w, n in q["matched_blocks"].items() if n > 0}
-            assert json.loads(line)["scores"] == expected, (source, q["description"])
+            assert nonzero(json.loads(line)["scores"]) == expected, (source, q["description"])
     out = _cli("inspect", str(log), "--json")
     assert json.loads(out.stdout)["workers"]["dp1"]["gaps"] == 0  # the replayed batches were recorded
+    assert json.loads(out.stdout)["truncated"] is False
+    with EventLogReader(log) as reader:
+        assert reader.meta["source"] == "tokenspeed-router record"

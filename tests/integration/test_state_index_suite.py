@@ -137,7 +137,7 @@ def test_store_and_match_leading_blocks(backend: MemoryBackend) -> None:
     backend.apply("w1", _stored([11], None, 0), _stored([12], 11, 1))
     assert backend.match(TOKENS) == {"w0": 3, "w1": 2}
     assert backend.match(TOKENS[:7]) == {"w0": 1, "w1": 1}  # a partial block never matches
-    assert backend.match([5, 6, 7, 8]) == {}
+    assert backend.match([5, 6, 7, 8]) == {"w0": 0, "w1": 0}  # every known worker is listed
     assert backend.num_blocks() == 5
 
 
@@ -153,17 +153,17 @@ def test_clear_drops_only_that_worker(backend: MemoryBackend) -> None:
     backend.apply("w0", _stored([1, 2], None, 0))
     backend.apply("w1", _stored([7, 8], None, 0))
     backend.apply("w0", AllBlocksCleared())
-    assert backend.match(TOKENS) == {"w1": 2}
+    assert backend.match(TOKENS) == {"w0": 0, "w1": 2}
     assert backend.num_blocks("w0") == 0
 
 
 def test_lora_and_tiers(backend: MemoryBackend) -> None:
     backend.apply("w0", _stored([1, 2], None, 0, lora_id=5))
     backend.apply("w1", _stored([3, 4], None, 0, medium="CPU"))
-    assert backend.match(TOKENS, lora_id=5) == {"w0": 2}
-    assert backend.match(TOKENS) == {"w1": 2}
+    assert backend.match(TOKENS, lora_id=5) == {"w0": 2, "w1": 0}
+    assert backend.match(TOKENS) == {"w0": 0, "w1": 2}
     detail = backend.detail(TOKENS)
-    assert detail.tiers["w1"]["cpu"] == 2 and detail.scores == {"w1": 2}
+    assert detail.tiers["w1"]["cpu"] == 2 and detail.scores == {"w0": 0, "w1": 2}
 
 
 def test_unknown_parent_marks_worker_resyncing(backend: MemoryBackend) -> None:

@@ -56,7 +56,7 @@ class Serve:
         return dict(self.http.get("/health").json()["state"])
 
     def seqs(self) -> dict[str, int | None]:
-        workers = self.http.get("/workers").json()["workers"]
+        workers = self.http.get("/workers").json()
         return {w: workers[w]["last_seq"] for w in workers}
 
     def answers(self) -> list[dict[str, int]]:

@@ -131,9 +131,8 @@ class Reference:
                     break
                 counts[next(t for t in TIER_ORDER if t in held)] += 1
                 k += 1
-            if k:
-                scores[worker] = k
-                tiers[worker] = counts
+            scores[worker] = k  # every known worker, 0 when nothing matches
+            tiers[worker] = counts
         sizes = {w: WORKERS[w][0] for w in self.workers}
         return MatchDetail(scores, tiers, sizes)
 

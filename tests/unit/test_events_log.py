@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,72 @@ def test_open_event_source_rejects_unknown(tmp_path: Path, captures: Path) -> No
         list(read_kvcap(junk))
     shutil.copy(captures / "vllm-0.33.0" / "dp0.sub.kvcap", tmp_path / "dp7.sub.kvcap")
     assert {r.worker for r in open_event_source(tmp_path)} == {"dp7"}
+
+
+def _kvcap_bytes(records: list[tuple[int, tuple[bytes, ...]]]) -> bytes:
+    out = bytearray(b"KVCAPv1\n")
+    for recv_ns, frames in records:
+        out += struct.pack("<QI", recv_ns, len(frames))
+        for frame in frames:
+            out += struct.pack("<I", len(frame)) + frame
+    return bytes(out)
+
+
+def _seq(n: int) -> bytes:
+    return n.to_bytes(8, "big")
+
+
+def test_event_log_reader_reads_kvcap(captures: Path, tmp_path: Path) -> None:
+    for engine in ("tokenspeed-0.1.1", "vllm-0.33.0", "sglang-0.5.23"):
+        for name in ("dp0.sub.kvcap", "dp1.sub.kvcap", "dp1.replay.kvcap"):
+            path = captures / engine / name
+            with EventLogReader(path) as r:
+                got = list(r)
+                assert got == list(open_event_source(path)), (engine, name)
+                assert got and {rec.worker for rec in got} == {name.split(".")[0]}
+                assert r.meta == {"format": "kvcap", "worker": name.split(".")[0]}
+                assert not r.truncated
+                assert r.start_time_s == got[0].recv_time_s
+                for rec in got:
+                    decode_batch(rec.payload)
+
+
+def test_event_log_reader_kvcap_seek_until_and_torn_tail(tmp_path: Path) -> None:
+    path = tmp_path / "dp3.sub.kvcap"
+    records = [
+        (1_000_000_000 * (10 + i), (b"kv", _seq(i), bytes([i]) * 5)) for i in range(6)
+    ]
+    junk = [(1_000_000_000 * 99, (b"just one frame",))]  # not a message: skipped
+    data = _kvcap_bytes(records[:3] + junk + records[3:])
+    path.write_bytes(data)
+    with EventLogReader(path) as r:
+        assert r.start_time_s == 10.0
+        assert [rec.seq for rec in r.records(until_s=12.0)] == [0, 1, 2]
+        assert [rec.seq for rec in r.records()] == [3, 4, 5]  # resumes
+        assert list(r.records()) == []
+        r.seek_time(13.5)
+        assert [(rec.worker, rec.seq, rec.recv_time_s) for rec in r] == [
+            ("dp3", 4, 14.0), ("dp3", 5, 15.0)
+        ]
+        r.rewind()
+        assert [rec.payload for rec in r] == [bytes([i]) * 5 for i in range(6)]
+        assert not r.truncated
+
+    # A torn last record at every cut: the intact prefix, truncated=True.
+    last_len = len(_kvcap_bytes(records[-1:])) - len(b"KVCAPv1\n")
+    for cut in range(1, last_len):
+        path.write_bytes(data[:-cut])
+        with EventLogReader(path) as r:
+            assert [rec.seq for rec in r] == [0, 1, 2, 3, 4], cut
+            assert r.truncated, cut
+    # ... and a capture that grows is followed on the next pass.
+    path.write_bytes(data[:-1])
+    with EventLogReader(path) as r:
+        assert [rec.seq for rec in r] == [0, 1, 2, 3, 4] and r.truncated
+        path.write_bytes(data)
+        assert [rec.seq for rec in r] == [5] and not r.truncated
+
+    empty = tmp_path / "dp0.sub.kvcap"
+    empty.write_bytes(b"KVCAPv1\n")
+    with EventLogReader(empty) as r:
+        assert list(r) == [] and r.start_time_s is None and not r.truncated

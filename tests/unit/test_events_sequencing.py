@@ -75,3 +75,17 @@ def test_rejects_negative(bad: int) -> None:
         SequenceTracker(bad)
     with pytest.raises(ValueError):
         SequenceTracker().jump_to(bad)
+
+
+def test_repeat_of_last_seq_with_other_bytes_is_a_restart() -> None:
+    # A restarted publisher that published as many batches as the old one: its
+    # first seq seen equals the last one delivered; only the bytes differ.
+    t = SequenceTracker()
+    for seq in range(3):
+        t.observe(seq, f"old-{seq}".encode())
+    assert t.classify(2, b"old-2").kind is VerdictKind.DUPLICATE
+    v = t.observe(2, b"new-2")
+    assert (v.kind, v.last, v.got) == (VerdictKind.RESTART, 2, 2)
+    assert t.epoch == 1 and t.expected_seq == 3
+    assert t.observe(2, b"new-2").kind is VerdictKind.DUPLICATE  # now it is the new one's
+    assert t.classify(1, b"old-1").kind is VerdictKind.RESTART  # old fingerprints are gone

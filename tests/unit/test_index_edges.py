@@ -42,8 +42,8 @@ def test_full_chain_matches_and_stops_at_query_end() -> None:
     index = chain_index()
     assert index.match(TOKENS) == {"w": 6}
     assert index.match(TOKENS[:10]) == {"w": 2}  # trailing partial query block never counts
-    assert index.match(TOKENS[:3]) == {}
-    assert index.match([]) == {}
+    assert index.match(TOKENS[:3]) == {"w": 0}  # a known worker always appears, with 0
+    assert index.match([]) == {"w": 0}
     assert index.match([*TOKENS[:8], 1, 2, 3, 4, *TOKENS[12:]]) == {"w": 2}
 
 
@@ -107,7 +107,7 @@ def test_children_of_a_partial_block_never_match() -> None:
     index.apply("w", batch(stored([1], TOKENS[:2])))
     index.apply("w", batch(stored([2], TOKENS[2:6], parent=1)))
     assert index.num_blocks("w") == 2
-    assert index.match(TOKENS) == {}
+    assert index.match(TOKENS) == {"w": 0}
 
 
 def test_unknown_parent_raises_and_leaves_index_unchanged() -> None:
@@ -139,7 +139,7 @@ def test_mixed_batch_whose_parent_was_just_removed_is_undone() -> None:
     with pytest.raises(UnknownParentError):
         index.apply("w", events)
     assert index.match(TOKENS) == {"w": 3}
-    assert index.match([7, 7, 7, 7]) == {}
+    assert index.match([7, 7, 7, 7]) == {"w": 0}
     assert index.num_blocks("w") == 3
     restored = KvIndex.restore(snap)
     assert restored.match(TOKENS) == index.match(TOKENS)
@@ -174,7 +174,7 @@ def test_removal_in_the_middle_of_a_chain_stops_the_match() -> None:
     index.apply("w", batch(BlockRemoved(block_hashes=[2])))
     assert index.match(TOKENS) == {"w": 1}
     index.apply("w", batch(BlockRemoved(block_hashes=[1])))
-    assert index.match(TOKENS) == {}
+    assert index.match(TOKENS) == {"w": 0}
     assert index.num_blocks("w") == 2  # blocks 3 and 4 are still held (orphans)
 
 
@@ -195,8 +195,8 @@ def test_external_hash_shapes_int_bytes_negative() -> None:
     assert index.match(TOKENS) == {"u64": 2, "bytes": 2, "signed": 2}
     index.apply("bytes", batch(BlockRemoved(block_hashes=[b"\x02" * 32])))
     index.apply("signed", batch(BlockRemoved(block_hashes=[-(2**63)])))
-    assert index.match(TOKENS) == {"u64": 2, "bytes": 1}
-    assert KvIndex.restore(index.snapshot()).match(TOKENS) == {"u64": 2, "bytes": 1}
+    assert index.match(TOKENS) == {"u64": 2, "bytes": 1, "signed": 0}
+    assert KvIndex.restore(index.snapshot()).match(TOKENS) == {"u64": 2, "bytes": 1, "signed": 0}
 
 
 def test_engine_hashes_are_never_trusted_for_matching() -> None:
@@ -205,7 +205,7 @@ def test_engine_hashes_are_never_trusted_for_matching() -> None:
     index.apply("a", batch(stored([1, 2], TOKENS[:8])))
     index.apply("b", batch(stored([901, 902], TOKENS[:8])))
     index.apply("c", batch(stored([1, 2], [9] * 8)))
-    assert index.match(TOKENS) == {"a": 2, "b": 2}
+    assert index.match(TOKENS) == {"a": 2, "b": 2, "c": 0}
 
 
 def test_tiers_several_copies_and_best_tier_detail() -> None:
@@ -223,7 +223,7 @@ def test_tiers_several_copies_and_best_tier_detail() -> None:
     assert index.statistics()["workers"]["w"]["tier_mismatch_removals"] == 1
     # no medium on a block held only off-GPU: the engine says it is gone
     index.apply("w", batch(BlockRemoved(block_hashes=[1])))
-    assert index.match(TOKENS) == {}
+    assert index.match(TOKENS) == {"w": 0}
 
 
 def test_all_blocks_cleared_for_one_medium_or_all() -> None:
@@ -235,7 +235,7 @@ def test_all_blocks_cleared_for_one_medium_or_all() -> None:
     index.apply("w", batch(stored([2], TOKENS[4:8], parent=1, medium="DISK")))
     stats = index.apply("w", batch(AllBlocksCleared()))
     assert stats.cleared == 1 and stats.removed_blocks == 2
-    assert index.num_blocks("w") == 0 and index.match(TOKENS) == {}
+    assert index.num_blocks("w") == 0 and index.match(TOKENS) == {"w": 0}
     assert index.workers() == ["w"] and index.block_size_of("w") == BS
 
 
@@ -255,13 +255,13 @@ def test_lora_and_salt_namespaces_are_isolated_and_inherited() -> None:
     index.apply("salted", batch(stored([1, 2, 3], TOKENS[:12], cache_salt="tenant-a")))
     index.apply("named", batch(stored([1], TOKENS[:4], lora_name="adapter-x")))
     index.apply("plain", batch(stored([1], TOKENS[:4])))
-    assert index.match(TOKENS) == {"plain": 1}
-    assert index.match(TOKENS, lora_id=7) == {"lora": 3}
-    assert index.match(TOKENS, lora_id=8) == {}
-    assert index.match(TOKENS, salt="tenant-a") == {"salted": 3}
-    assert index.match(TOKENS, salt="tenant-b") == {}
-    assert index.match(TOKENS, lora_id=7, salt="tenant-a") == {}
-    assert index.match(TOKENS, lora_id="adapter-x") == {"named": 1}
+    assert index.match(TOKENS) == {"lora": 0, "salted": 0, "named": 0, "plain": 1}
+    assert index.match(TOKENS, lora_id=7) == {"lora": 3, "salted": 0, "named": 0, "plain": 0}
+    assert index.match(TOKENS, lora_id=8) == {"lora": 0, "salted": 0, "named": 0, "plain": 0}
+    assert index.match(TOKENS, salt="tenant-a") == {"lora": 0, "salted": 3, "named": 0, "plain": 0}
+    assert index.match(TOKENS, salt="tenant-b") == {"lora": 0, "salted": 0, "named": 0, "plain": 0}
+    assert index.match(TOKENS, lora_id=7, salt="tenant-a") == {"lora": 0, "salted": 0, "named": 0, "plain": 0}
+    assert index.match(TOKENS, lora_id="adapter-x") == {"lora": 0, "salted": 0, "named": 1, "plain": 0}
     assert lora_key(None, "adapter-x") == lora_key("adapter-x")
     assert lora_key(3, "ignored") == 3
 
@@ -297,7 +297,7 @@ def test_aliases_one_content_under_two_external_ids() -> None:
     index.apply("w", batch(BlockRemoved(block_hashes=[1])))
     assert index.match(TOKENS) == {"w": 1}
     index.apply("w", batch(BlockRemoved(block_hashes=[100])))
-    assert index.match(TOKENS) == {}
+    assert index.match(TOKENS) == {"w": 0}
 
 
 def test_workers_dp_ranks_slots_and_removal() -> None:
@@ -310,7 +310,7 @@ def test_workers_dp_ranks_slots_and_removal() -> None:
     index.remove_worker("eng/dp0")
     assert index.workers() == ["eng/dp1", "solo"] and index.block_size_of("eng/dp0") is None
     index.apply("late", batch(stored([1], TOKENS[:4])))  # reuses the freed slot
-    assert index.match(TOKENS) == {"solo": 2, "late": 1}
+    assert index.match(TOKENS) == {"eng/dp1": 0, "solo": 2, "late": 1}  # cleared: known, 0; removed: gone
     assert index.num_distinct_blocks() == 2
 
 
@@ -374,7 +374,7 @@ def test_compacted_ids_behave_like_recent_ones() -> None:
     index.apply("w", batch(AllBlocksCleared(medium="cpu")))
     assert index.match(TOKENS) == {"w": 1}
     index.clear_worker("w")
-    assert index.num_blocks("w") == 0 and index.match(TOKENS) == {}
+    assert index.num_blocks("w") == 0 and index.match(TOKENS) == {"w": 0}
 
 
 def test_compaction_keeps_bytes_and_signed_ids_exact() -> None:

@@ -100,7 +100,7 @@ def test_publisher_restart_clears_and_stays_live(setup) -> None:  # type: ignore
     a = Chain(1, 3)
     feed.send(a.store())
     ingestor.on_item(PublisherRestarted("w0", last_seq=0, new_seq=0, epoch=1))
-    assert index.match(a.tokens) == {}
+    assert index.match(a.tokens) == {"w0": 0}
     st = ingestor.status("w0")
     assert (st.state, st.restarts, st.epoch) == (WorkerState.LIVE, 1, 1)
     feed.seq, feed.epoch = 0, 1
@@ -115,7 +115,7 @@ def test_resync_needed_clears_goes_cold_and_recovers(setup) -> None:  # type: ig
     ingestor.on_item(
         ResyncNeeded("w0", expected_seq=1, got_seq=9, reason="replay unavailable", epoch=0)
     )
-    assert index.match(a.tokens) == {}
+    assert index.match(a.tokens) == {"w0": 0}
     assert ingestor.is_cold("w0") and changes == [("w0", WorkerState.RESYNCING)]
     assert ingestor.status("w0").resyncs == 1
     # Batches keep applying to the cleared state; removal-only batches do not count.
@@ -151,7 +151,7 @@ def test_unknown_parent_is_atomic_then_salvaged_into_a_cleared_worker(setup) -> 
     feed.send(*bad.events)
     # ... so the worker is dropped (the refused removal could otherwise leave a
     # block the worker no longer holds), goes resyncing, and what can apply does.
-    assert index.match(a.tokens) == {}
+    assert index.match(a.tokens) == {"w0": 0}
     assert index.match(b.tokens) == {"w0": 3}
     st = ingestor.status("w0")
     assert st.state is WorkerState.RESYNCING and ingestor.is_cold("w0")
@@ -203,12 +203,12 @@ def test_log_replay_detects_restarts_gaps_and_duplicates() -> None:
     ingestor.on_record("w0", 0, batch(b.store()), 3.0)
     st = ingestor.status("w0")
     assert (st.restarts, st.epoch, st.state, st.last_seq) == (1, 1, WorkerState.LIVE, 0)
-    assert index.match(a.tokens) == {} and index.match(b.tokens) == {"w0": 3}
+    assert index.match(a.tokens) == {"w0": 0} and index.match(b.tokens) == {"w0": 3}
     # seq jumped: lost batches, resync; the batch itself still applies.
     ingestor.on_record("w0", 5, batch(c.store()), 4.0)
     st = ingestor.status("w0")
     assert (st.resyncs, st.state) == (1, WorkerState.RESYNCING)
-    assert index.match(b.tokens) == {} and index.match(c.tokens) == {"w0": 3}
+    assert index.match(b.tokens) == {"w0": 0} and index.match(c.tokens) == {"w0": 3}
     ingestor.on_record("w0", 6, batch(Chain(4000, 1).store()), 5.0)
     assert ingestor.state("w0") is WorkerState.LIVE  # recovery_batches=2
     # Payload fingerprints tell a replayed copy from a restart.

@@ -64,13 +64,15 @@ def test_approx_policy_learns_from_its_own_decisions_without_an_index() -> None:
     router.release(second.request_id)
     clock.now += 61.0  # past the TTL: forgotten
     third = router.route(conv(2, base=1))
-    assert third.matched_blocks == 0 and third.scores == {}
+    assert third.matched_blocks == 0 and third.scores == {"w0": 0, "w1": 0, "w2": 0}
 
 
 def test_kv_aware_uses_memory_for_workers_without_events() -> None:
     index = StubIndex()
     index.hold("ev", 5, block_size=64)  # 320 tokens via events
-    router = Router(index, RouterConfig(request_id_prefix="t"), clock=FakeClock())
+    # predict-on-route off: the stub index is all "ev" holds (see the next test)
+    config = RouterConfig(request_id_prefix="t", predict_on_route_ttl_s=0.0)
+    router = Router(index, config, clock=FakeClock())
     router.add_worker("ev")
     router.add_worker("quiet", events=False)
     d1 = router.route(conv(1, base=9))

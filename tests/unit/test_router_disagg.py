@@ -10,6 +10,7 @@ from tokenspeed_router.router.scoring import WorkerLoad
 
 def pd_router(index: StubIndex, **options: object) -> Router:
     options.setdefault("request_id_prefix", "t")
+    options.setdefault("predict_on_route_ttl_s", 0.0)  # the stub index is the whole truth
     router = Router(index, RouterConfig(**options), clock=FakeClock())  # type: ignore[arg-type]
     for name in ("p0", "p1"):
         router.add_worker(name, role="prefill")
@@ -77,7 +78,8 @@ def test_prefill_done_frees_the_prefill_worker() -> None:
 def test_both_workers_join_either_pool_and_never_split_with_themselves() -> None:
     index = StubIndex()
     index.hold("b0", 10)
-    router = Router(index, RouterConfig(request_id_prefix="t"), clock=FakeClock())
+    config = RouterConfig(request_id_prefix="t", predict_on_route_ttl_s=0.0)
+    router = Router(index, config, clock=FakeClock())
     router.add_worker("b0")  # both
     router.add_worker("d0", role="decode")
     d = router.route(PROMPT)

@@ -53,7 +53,7 @@ def test_kv_aware_prefers_the_cached_prefix_when_idle() -> None:
     d = make_router(index).route(PROMPT, request_id="r1")
     assert d.worker == "w2" and d.decode_worker == "w2" and d.prefill_worker is None
     assert (d.matched_blocks, d.matched_tokens) == (40, 640)
-    assert d.scores == {"w2": 40, "w1": 10}
+    assert d.scores == {"w0": 0, "w1": 10, "w2": 40, "w3": 0}  # every routable worker
     assert d.request_id == "r1"
 
 
@@ -123,7 +123,7 @@ def test_softmax_sampling_is_seeded_and_favours_low_cost() -> None:
         index.hold("w3", 100)  # 1600 of 2000 tokens cached
         router = Router(
             index,
-            RouterConfig(temperature=0.5, request_id_prefix="t"),
+            RouterConfig(temperature=0.5, request_id_prefix="t", predict_on_route_ttl_s=0.0),
             clock=FakeClock(),
             rng=random.Random(seed),
         )
@@ -155,7 +155,7 @@ def test_cold_workers_score_zero_but_stay_routable() -> None:
     router = make_router(index, workers=("w0", "w1"))
     router.set_cold("w0", True)
     d = router.route(PROMPT)
-    assert d.scores == {} and d.matched_blocks == 0
+    assert d.scores == {"w0": 0, "w1": 0} and d.matched_blocks == 0
     assert d.worker == "w0"  # a tie on load; still routable
     d2 = router.route(PROMPT)
     assert d2.worker == "w1"
@@ -163,7 +163,7 @@ def test_cold_workers_score_zero_but_stay_routable() -> None:
     router.release(d.request_id)
     router.release(d2.request_id)
     d3 = router.route(PROMPT)
-    assert d3.worker == "w0" and d3.scores == {"w0": 100}
+    assert d3.worker == "w0" and d3.scores == {"w0": 100, "w1": 0}
     assert router.workers()["w0"].cold is False
     with pytest.raises(KeyError):
         router.set_cold("nope", True)
@@ -234,7 +234,7 @@ def test_load_provider_replaces_internal_tracking() -> None:
     external = {"w0": WorkerLoad(0, 50_000, 0), "w1": None}
     router = Router(
         StubIndex(),
-        RouterConfig(request_id_prefix="t"),
+        RouterConfig(request_id_prefix="t", predict_on_route_ttl_s=0.0),
         clock=FakeClock(),
         load_provider=lambda w: external[w],
     )
@@ -256,7 +256,7 @@ def test_baselines_never_query_the_index() -> None:
     for policy in ("random", "round_robin", "least_loaded"):
         router = make_router(index, policy=policy)
         d = router.route(PROMPT)
-        assert d.scores == {} and d.matched_blocks == 0
+        assert d.scores == dict.fromkeys(("w0", "w1", "w2", "w3"), 0) and d.matched_blocks == 0
     assert index.queries == 0
 
 

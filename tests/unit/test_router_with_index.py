@@ -22,7 +22,9 @@ def store(index: KvIndex, worker: str, tokens: list[int], **extra: object) -> No
 
 
 def make(index: KvIndex) -> Router:
-    router = Router(index, RouterConfig(request_id_prefix="t"), clock=FakeClock())
+    # predict-on-route off: these tests check what the index alone says
+    config = RouterConfig(request_id_prefix="t", predict_on_route_ttl_s=0.0)
+    router = Router(index, config, clock=FakeClock())
     for w in ("a", "b", "c"):
         router.add_worker(w)
     return router
@@ -33,7 +35,7 @@ def test_tier_detail_from_the_index_feeds_the_credits() -> None:
     store(index, "a", PROMPT[:1600], medium="cpu")  # 100 CPU blocks = 75 credited
     store(index, "b", PROMPT[: 16 * 80])  # 80 GPU blocks
     d = make(index).route(PROMPT)
-    assert d.worker == "b" and d.scores == {"a": 100, "b": 80}
+    assert d.worker == "b" and d.scores == {"a": 100, "b": 80, "c": 0}
     store(index, "c", PROMPT[: 16 * 70])
     store(index, "c", PROMPT[:1600], medium="storage")
     # c: 70 GPU + 30 storage (credit 0.25) = 77.5 < 80
@@ -45,7 +47,7 @@ def test_lora_namespaces_do_not_mix() -> None:
     store(index, "a", PROMPT, lora_id=7)
     router = make(index)
     plain = router.route(PROMPT)
-    assert plain.scores == {}
+    assert plain.scores == {"a": 0, "b": 0, "c": 0}
     router.release(plain.request_id)
     d = router.route(PROMPT, lora_id=7)
     assert d.worker == "a" and d.matched_blocks == 200 and d.matched_tokens == 3200
@@ -64,10 +66,10 @@ def test_resyncing_worker_is_cold_through_the_state_hook() -> None:
     store(index, "a", PROMPT)
     assert router.workers()["a"].cold
     d = router.route(PROMPT)
-    assert "a" not in d.scores
+    assert d.scores["a"] == 0
     ingestor.mark_live("a")
     assert not router.workers()["a"].cold
-    assert router.route(PROMPT).scores == {"a": 200}
+    assert router.route(PROMPT).scores == {"a": 200, "b": 0, "c": 0}
 
 
 def test_approx_workers_accept_lora_names() -> None:
@@ -78,7 +80,7 @@ def test_approx_workers_accept_lora_names() -> None:
     router.release(first.request_id)
     again = router.route(PROMPT, lora_id="adapter-1")
     assert again.worker == first.worker and again.matched_tokens == 3200
-    assert router.route(PROMPT, lora_id="adapter-2").scores == {}
+    assert router.route(PROMPT, lora_id="adapter-2").scores == {"x": 0, "y": 0}
 
 
 def test_numpy_prompts_route_like_lists() -> None:
@@ -87,7 +89,7 @@ def test_numpy_prompts_route_like_lists() -> None:
     index = KvIndex()
     store(index, "b", PROMPT)
     arr = np.asarray(PROMPT, dtype=np.int64)
-    assert make(index).route(arr).scores == make(index).route(PROMPT).scores == {"b": 200}
+    assert make(index).route(arr).scores == make(index).route(PROMPT).scores == {"a": 0, "b": 200, "c": 0}
     router = Router(None, RouterConfig(policy="approx", request_id_prefix="t"), clock=FakeClock())
     router.add_worker("x")
     router.route(arr)

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
-from server_support import batch, stored, tokens
+import msgspec
+import pytest
+from server_support import batch, nonzero, stored, tokens
 from support import wait_until
 
+from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.events.log import EventLogReader
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 from tokenspeed_router.events.subscriber import ResyncNeeded, SubscriberItem
 from tokenspeed_router.router.index import KvIndex
 from tokenspeed_router.server import RouterService, ServerConfig, WorkerSpec
-from tokenspeed_router.server.app import RecordingSink
+from tokenspeed_router.server.app import NullIngestSink, RecordingSink
+from tokenspeed_router.server.cli_replay import answer_queries
 
 
 class LeaderSink:
@@ -49,7 +54,7 @@ def test_sink_controls_ingestion_and_recording(tmp_path: Path) -> None:
     service = RouterService(config, sink_factory=factory)
     service.start()
     try:
-        assert not service.ingesting and service.workers()["workers"]["w0"]["role"] == "decode"
+        assert not service.ingesting and service.workers()["w0"]["role"] == "decode"
         a = tokens(1, 3)
         pub.publish(batch(stored(a)))  # seq 0, before anyone subscribed
         pub.wait_sent(5)
@@ -59,8 +64,8 @@ def test_sink_controls_ingestion_and_recording(tmp_path: Path) -> None:
         service.stop_ingestion()
         pub.publish(batch(stored(tokens(2, 1))))
         pub.wait_sent(5)
-        assert service.match(tokens(2, 1))["scores"] == {}  # not subscribed any more
-        assert service.match(a)["scores"] == {"w0": 3}  # the index is kept
+        assert nonzero(service.match(tokens(2, 1))["scores"]) == {}  # not subscribed any more
+        assert nonzero(service.match(a)["scores"]) == {"w0": 3}  # the index is kept
         assert isinstance(service.recorder, RecordingSink) and service.recorder.records == 1
     finally:
         service.stop()
@@ -77,7 +82,7 @@ def test_resync_marks_cold_and_restore_hooks_keep_roles() -> None:
     service.preset_roles({"p": "prefill", "d": "decode"})
     service.apply_record("d", 0, batch(stored(tokens(1, 2))), 1.0)
     service.apply_item(ResyncNeeded("d", 1, 5, "test", 0))
-    assert service.workers()["workers"]["d"]["state"] == "resyncing"
+    assert service.workers()["d"]["state"] == "resyncing"
     assert service.router.workers()["d"].cold
     snapshot = service.index.snapshot()
     with service.locked():
@@ -86,5 +91,93 @@ def test_resync_marks_cold_and_restore_hooks_keep_roles() -> None:
         service.ensure_worker_locked("d")
     info = service.router.workers()
     assert info["d"].cold and info["p"].role.value == "prefill"
-    assert service.workers()["workers"]["d"]["state"] == "resyncing"
+    assert service.workers()["d"]["state"] == "resyncing"
+    service.stop()
+
+
+#: ZeroMQ refuses this at connect time (an ipc path longer than sockaddr_un allows),
+#: although it is a well-formed endpoint: the failure happens inside ``start``
+_TOO_LONG_IPC = "ipc:///tmp/" + "x" * 200
+
+
+def test_failed_start_closes_everything(tmp_path: Path) -> None:
+    """A subscription that fails at start leaves no socket open: stop() (and the
+    process exit) must not block in Context.term, and the error names the endpoint."""
+    log = tmp_path / "e.tslog"
+    good = WorkerSpec(name="ok", events="ipc://" + str(tmp_path / "ok.sock"))
+    bad = WorkerSpec(name="bad", events=_TOO_LONG_IPC)
+    service = RouterService(ServerConfig(http=None, record=str(log), workers=(good, bad)))
+    with pytest.raises(ConfigError, match=r"worker 'bad': cannot connect to its events endpoint ipc:///tmp/xxx"):
+        service.start()
+    assert service.context.closed  # every socket closed with linger 0, context terminated
+    assert not service.serving
+    service.stop()  # idempotent, returns at once
+    with EventLogReader(log) as reader:  # the event log was closed (its header is complete)
+        assert list(reader.records()) == []
+
+
+def test_failed_start_with_a_borrowed_context_leaks_no_socket(tmp_path: Path) -> None:
+    import zmq
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        service = RouterService(ServerConfig(http=None, workers=(WorkerSpec(name="bad", events=_TOO_LONG_IPC),)),
+                                context=ctx)
+        with pytest.raises(ConfigError, match="cannot connect"):
+            service.start()
+        service.stop()
+    finally:
+        ctx.term()  # would block forever on a leaked socket (pytest-timeout would fail the test)
+
+
+def test_put_worker_with_an_unusable_endpoint_is_a_400_and_leaks_nothing() -> None:
+    from tokenspeed_router.server.api import ApiError
+
+    service = RouterService(ServerConfig(http=None))
+    service.start()
+    try:
+        with pytest.raises(ApiError, match="cannot connect") as err:
+            service.put_worker(WorkerSpec(name="bad", events=_TOO_LONG_IPC))
+        assert err.value.status == 400
+        assert "bad" not in service.workers()
+    finally:
+        service.stop()  # ctx.term() returns: the probe socket was closed
+
+
+def test_record_log_names_its_source(tmp_path: Path) -> None:
+    log = tmp_path / "r.tslog"
+    config = ServerConfig(http=None, record=str(log))
+    service = RouterService(config, sink_factory=lambda _s: NullIngestSink(), record_source="tokenspeed-router record")
+    service.start()
+    service.stop()
+    with EventLogReader(log) as reader:
+        assert reader.meta["source"] == "tokenspeed-router record"
+
+
+def test_workers_is_a_name_to_info_object() -> None:
+    """DESIGN §6, GET /workers: per worker role, state, blocks held, last seq, events applied, lag."""
+    service = RouterService(ServerConfig(http=None), wall_clock=lambda: 11.5)
+    service.preset_roles({"p": "prefill"})
+    service.apply_record("p", 3, batch(stored(tokens(1, 2)), ts=10.0), 1.0)
+    workers = service.workers()
+    assert set(workers) == {"p"}
+    info = workers["p"]
+    assert info["role"] == "prefill" and info["state"] == "live"
+    assert info["blocks"] == info["blocks_held"] == 2
+    assert info["last_seq"] == 3 and info["events_applied"] == 1
+    assert info["lag_s"] == info["lag"] == pytest.approx(1.5)
+    service.stop()
+
+
+def test_replay_queries_accept_a_lora_name() -> None:
+    service = RouterService(ServerConfig(http=None))
+    a = tokens(1, 2)
+    service.apply_record("named", 0, batch(msgspec.structs.replace(stored(a), lora_name="sql")), 1.0)
+    out = io.StringIO()
+    lines = [msgspec.json.encode({"token_ids": a, "lora_id": q}).decode() for q in ("sql", 3, "")]
+    assert answer_queries(service, lines, out) == 3
+    answers = [msgspec.json.decode(line) for line in out.getvalue().splitlines()]
+    assert nonzero(answers[0]["scores"]) == {"named": 2}
+    assert nonzero(answers[1]["scores"]) == {}
+    assert "$.lora_id" in answers[2]["error"]
     service.stop()

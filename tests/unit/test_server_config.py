@@ -55,6 +55,13 @@ def test_dp_ranks_offset_ports_like_vllm() -> None:
         ("name=w0,events=ipc:///tmp/x,dp_ranks=2", "need tcp://HOST:PORT"),
         ("name=w0,name=w1,events=tcp://127.0.0.1:1", "given twice"),
         ("name=w0,events", "not key=value"),
+        # the router connects to worker endpoints: bind-only forms are refused, naming the endpoint
+        ("name=w0,events=tcp://*:5999", "'tcp://*:5999' has host '*', which only works for binding"),
+        ("name=w0,events=tcp://127.0.0.1:1,replay=tcp://*:2", "replay: 'tcp://*:2' has host '*'"),
+        ("name=w0,events=tcp://127.0.0.1:*", "needs an explicit port"),
+        ("name=w0,events=tcp://127.0.0.1:0", "has port 0"),
+        ("name=w0,events=tcp://a b:5", "not a ZeroMQ endpoint"),
+        ("name=w0,events=tcp://127.0.0.1:1,dp-ranks=2,dp_ranks=3", "set the same key 'dp_ranks'"),
     ],
 )
 def test_bad_worker_specs_name_the_problem(text: str, message: str) -> None:
@@ -73,6 +80,16 @@ def test_duplicate_names_and_shared_endpoints_are_rejected() -> None:
     c = WorkerSpec.parse("name=c,events=tcp://127.0.0.1:7001")
     with pytest.raises(ConfigError, match="same endpoint"):
         ServerConfig(workers=(b, c))
+
+
+def test_worker_keys_may_use_hyphens() -> None:
+    spec = WorkerSpec.parse("name=w0,events=tcp://127.0.0.1:5557,dp-ranks=2")
+    assert spec.dp_ranks == 2
+    assert WorkerSpec.from_mapping({"name": "w1", "events": "tcp://127.0.0.1:6000", "dp-ranks": 3}).dp_ranks == 3
+
+
+def test_zmq_api_bind_endpoint_may_use_wildcards() -> None:
+    assert load_server_config({"zmq_api": "tcp://*:8001"}, {}).zmq_api == "tcp://*:8001"
 
 
 def test_host_port_forms() -> None:
@@ -218,3 +235,135 @@ def test_serve_refuses_a_port_in_use(capsys: pytest.CaptureFixture[str]) -> None
         port = busy.getsockname()[1]
         assert main(["serve", "--http", f"127.0.0.1:{port}"]) == 2
     assert "cannot listen on" in capsys.readouterr().err
+
+
+def test_env_worker_alias_and_separators() -> None:
+    """``TOKENSPEED_ROUTER_WORKER`` is spelled like the flag; specs split on ';' or newlines."""
+    specs = "name=a,events=tcp://127.0.0.1:6000\nname=b,events=tcp://127.0.0.1:6001;name=c,events=tcp://127.0.0.1:6002\n"
+    for var in ("TOKENSPEED_ROUTER_WORKER", "TOKENSPEED_ROUTER_WORKERS"):
+        config = load_server_config({}, {var: specs})
+        assert [w.name for w in config.workers] == ["a", "b", "c"], var
+    with pytest.raises(ConfigError, match=r"TOKENSPEED_ROUTER_WORKERS? and TOKENSPEED_ROUTER_WORKERS? are both set"):
+        load_server_config({}, {"TOKENSPEED_ROUTER_WORKER": specs, "TOKENSPEED_ROUTER_WORKERS": specs})
+    # the flag still wins over the environment
+    config = load_server_config({"workers": ["name=f,events=tcp://127.0.0.1:7000"]},
+                                {"TOKENSPEED_ROUTER_WORKER": specs})
+    assert [w.name for w in config.workers] == ["f"]
+    # router options from the environment, singular too, hyphens read as '_'
+    config = load_server_config({}, {"TOKENSPEED_ROUTER_ROUTER_OPTION": "queue-weight=0.25"})
+    assert config.router_options == {"queue_weight": 0.25}
+
+
+def test_toml_accepts_flag_spellings(tmp_path: Path) -> None:
+    """Every flag works from TOML as written on the command line: ``zmq-api``, ``[[worker]]``, ..."""
+    token = tmp_path / "token"
+    token.write_text("t0k\n")
+    path = _write(
+        tmp_path,
+        f"""
+http = "127.0.0.1:7000"
+zmq-api = "tcp://127.0.0.1:7001"
+auth-token-file = "{token}"
+stale-after-s = 3
+replay-timeout-s = 0.5
+inflight-timeout-s = 60
+max-body-bytes = 1000
+max-tokens = 100
+policy = "round_robin"
+record = "{tmp_path / 'events.tslog'}"
+
+[router-option]
+queue-weight = 0.5
+
+[[worker]]
+name = "p0"
+events = "tcp://127.0.0.1:5557"
+dp-ranks = 2
+role = "prefill"
+
+[[worker]]
+name = "d0"
+events = "tcp://127.0.0.1:5600"
+""",
+    )
+    config = load_server_config({}, {}, path)
+    assert config.zmq_api == "tcp://127.0.0.1:7001" and config.auth_token == "t0k"
+    assert config.stale_after_s == 3 and config.replay_timeout_s == 0.5 and config.inflight_timeout_s == 60
+    assert config.limits == ApiLimits(max_body_bytes=1000, max_tokens=100)
+    assert config.record == str(tmp_path / "events.tslog") and config.policy == "round_robin"
+    assert config.router_options == {"queue_weight": 0.5}
+    assert [s.name for s in config.subscribers()] == ["p0/dp0", "p0/dp1", "d0"]
+    assert config.workers[0].role == "prefill"
+    # [worker.NAME] tables work like [workers.NAME]
+    named = load_server_config({}, {}, _write(tmp_path, "[worker.x]\nevents = 'tcp://127.0.0.1:1'\n"))
+    assert [w.name for w in named.workers] == ["x"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("zmq-apii = 'tcp://127.0.0.1:1'", "unknown key(s) 'zmq_apii'"),
+        ("zmq-api = 'tcp://127.0.0.1:1'\nzmq_api = 'tcp://127.0.0.1:2'", "'zmq-api' and 'zmq_api' set the same key"),
+        ("[[worker]]\nname = 'a'\nevents = 'tcp://127.0.0.1:1'\n[[workers]]\nname = 'b'\nevents = 'tcp://127.0.0.1:2'",
+         "'worker' and 'workers' set the same key"),
+        ("[[worker]]\nname = 'a'\nevents = 'tcp://127.0.0.1:1'\nport = 3", "unknown key(s) 'port'"),
+        ("[[worker]]\nname = 'a'\nevents = 'tcp://*:1'", "has host '*'"),
+    ],
+)
+def test_bad_flag_spellings_in_toml(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_server_config({}, {}, _write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis://", "names no host"),
+        ("redis://h:notaport/0", "is not a valid URL"),
+        ("redis://h:70000/0", "out of range"),
+        ("redis://h:6379/zero", "the database must be a number"),
+        ("http://h:6379/0", "must be redis://, rediss:// or unix://"),
+        ("unix://", "names no socket path"),
+    ],
+)
+def test_bad_state_urls_fail_at_config_time(url: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_server_config({"state": url}, {})
+
+
+def test_good_state_urls_pass() -> None:
+    for url in ("redis://127.0.0.1:6379/0", "rediss://user:pw@h/3?cluster=a", "redis://h", "unix:///run/redis.sock"):
+        assert load_server_config({"state": url}, {}).state == url
+
+
+def test_record_path_is_checked_at_config_time(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="directory '/nonexistent/dir' does not exist"):
+        load_server_config({"record": "/nonexistent/dir/x"}, {})
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_server_config({"record": str(tmp_path)}, {})
+    assert load_server_config({"record": "x.tslog"}, {}).record == "x.tslog"  # cwd
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--worker", "name=w0,events=tcp://*:5999", "--http", "127.0.0.1:0"], "'tcp://*:5999' has host '*'"),
+        (["serve", "--worker", "name=w0,events=" + "ipc:///tmp/" + "x" * 200, "--http", "127.0.0.1:0",
+          "--zmq-api", "tcp://127.0.0.1:0"], "cannot connect to its events endpoint ipc:///tmp/xxx"),
+        (["serve", "--state", "redis://", "--http", "127.0.0.1:0"], "names no host"),
+        (["serve", "--state", "redis://h:notaport/0", "--http", "127.0.0.1:0"], "notaport"),
+        (["serve", "--record", "/nonexistent/dir/x", "--http", "127.0.0.1:0"], "'/nonexistent/dir' does not exist"),
+        (["record", "--out", "/nonexistent/x", "--worker", "name=w0,events=tcp://127.0.0.1:1"],
+         "--out: cannot write '/nonexistent/x'"),
+    ],
+)
+def test_cli_startup_errors_are_one_line_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenspeed_router.cli import main
+
+    for var in [v for v in os.environ if v.startswith("TOKENSPEED_ROUTER_")]:
+        monkeypatch.delenv(var)
+    assert main(argv) == 2  # returns (a failed start must not hang in Context.term)
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert f"tokenspeed-router {argv[0]}: error: " in err

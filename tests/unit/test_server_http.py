@@ -5,8 +5,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 
+import msgspec
 import pytest
-from server_support import batch, removed, stored, tokens
+from server_support import batch, nonzero, removed, stored, tokens
 from starlette.exceptions import StarletteDeprecationWarning
 
 from tokenspeed_router.server import ApiLimits, RouterService, ServerConfig, create_app
@@ -43,9 +44,26 @@ def test_match_shape_and_tiers(client: TestClient) -> None:
         "tiers": {"w0": {"gpu": 4, "cpu": 0, "storage": 0}, "w1": {"gpu": 2, "cpu": 0, "storage": 0}},
     }
     cpu = client.post("/match", json={"token_ids": tokens(2, 2)}).json()
-    assert cpu["scores"] == {"w1": 2} and cpu["tiers"]["w1"]["cpu"] == 2
-    # a LoRA namespace matches nothing stored without it
-    assert client.post("/match", json={"token_ids": tokens(1, 4), "lora_id": 3}).json()["scores"] == {}
+    assert nonzero(cpu["scores"]) == {"w1": 2} and cpu["tiers"]["w1"]["cpu"] == 2
+    # a LoRA namespace matches nothing stored without it (by id or by name)
+    assert nonzero(client.post("/match", json={"token_ids": tokens(1, 4), "lora_id": 3}).json()["scores"]) == {}
+    assert nonzero(client.post("/match", json={"token_ids": tokens(1, 4), "lora_id": "sql"}).json()["scores"]) == {}
+
+
+def test_lora_by_name_or_id() -> None:
+    """vLLM publishes ``lora_name``; SGLang/TokenSpeed a numeric ``lora_id``: both can be asked for."""
+    service = RouterService(ServerConfig(http=None))
+    a = tokens(1, 2)
+    service.apply_record("named", 0, batch(msgspec.structs.replace(stored(a), lora_name="sql")), 1.0)
+    service.apply_record("numbered", 0, batch(msgspec.structs.replace(stored(a), lora_id=7)), 1.0)
+    with TestClient(create_app(service)) as c:
+        by_name = c.post("/match", json={"token_ids": a, "lora_id": "sql"})
+        assert by_name.status_code == 200, by_name.text
+        assert nonzero(by_name.json()["scores"]) == {"named": 2}
+        assert nonzero(c.post("/match", json={"token_ids": a, "lora_id": 7}).json()["scores"]) == {"numbered": 2}
+        assert nonzero(c.post("/match", json={"token_ids": a}).json()["scores"]) == {}
+        assert c.post("/route", json={"token_ids": a, "lora_id": "sql"}).json()["worker"] == "named"
+    service.stop()
 
 
 def test_route_release_and_workers(client: TestClient) -> None:
@@ -56,14 +74,19 @@ def test_route_release_and_workers(client: TestClient) -> None:
                          "decode_worker", "request_id"}
     assert body["worker"] == "w0" and body["matched_blocks"] == 4 and body["matched_tokens"] == 64
     assert body["request_id"] == "r1" and body["decode_worker"] == "w0"
-    workers = client.get("/workers").json()["workers"]
+    workers = client.get("/workers").json()
     assert workers["w0"]["in_flight"] == 1
     assert workers["w0"]["state"] == "live" and workers["w0"]["blocks"] == 4
     assert workers["w1"]["blocks_by_tier"] == {"gpu": 2, "cpu": 2, "storage": 0}
-    for key in ("role", "state", "blocks", "last_seq", "events_applied", "lag_s"):
+    # DESIGN §6: {name: info} at the top level; info has role, state, blocks held,
+    # last seq, events applied, lag (under both the short and the literal names)
+    assert set(workers) == {"w0", "w1"}
+    for key in ("role", "state", "blocks", "blocks_held", "last_seq", "events_applied", "lag_s", "lag"):
         assert key in workers["w0"]
+    assert workers["w0"]["blocks_held"] == workers["w0"]["blocks"] == 4
+    assert workers["w0"]["lag"] == workers["w0"]["lag_s"]
     assert client.post("/release", json={"request_id": "r1"}).json() == {}
-    assert client.get("/workers").json()["workers"]["w0"]["in_flight"] == 0
+    assert client.get("/workers").json()["w0"]["in_flight"] == 0
     # unknown / already released ids are not errors (idempotent release)
     assert client.post("/release", json={"request_id": "r1"}).status_code == 200
     assert client.post("/route", json={"token_ids": [1, 2, 3]}).json()["request_id"]
@@ -92,7 +115,10 @@ def test_health_and_metrics(client: TestClient) -> None:
         ("/match", b'{"token_ids": [1, -5]}', 400, ">= 0"),
         ("/match", b'{"token_ids": [1, 1e30]}', 400, "Expected `int`"),
         ("/match", b'{"token_ids": [99999999999999999999999]}', 400, "<= 9223372036854775807"),
-        ("/match", b'{"token_ids": [1], "lora_id": "a"}', 400, "$.lora_id"),
+        ("/match", b'{"token_ids": [1], "lora_id": ""}', 400, "$.lora_id"),
+        ("/match", b'{"token_ids": [1], "lora_id": -1}', 400, "$.lora_id"),
+        ("/match", b'{"token_ids": [1], "lora_id": 1.5}', 400, "$.lora_id"),
+        ("/match", b'{"token_ids": [1], "lora_id": [1]}', 400, "$.lora_id"),
         ("/match", b'{"token_ids": [1], "salt": 5}', 400, "$.salt"),
         ("/route", b'{"token_ids": [1], "request_id": ""}', 400, "request_id"),
         ("/route", b'{"token_ids": [1], "request_id": [1]}', 400, "$.request_id"),
@@ -131,7 +157,7 @@ def test_put_and_delete_workers_at_run_time(client: TestClient) -> None:
     resp = client.put("/workers/w9", json={"events": "tcp://127.0.0.1:1", "role": "decode", "dp_ranks": 2})
     assert resp.status_code == 201, resp.text
     assert resp.json()["streams"] == ["w9/dp0", "w9/dp1"]
-    workers = client.get("/workers").json()["workers"]
+    workers = client.get("/workers").json()
     assert workers["w9/dp1"]["role"] == "decode" and workers["w9/dp1"]["events_endpoint"] == "tcp://127.0.0.1:2"
     # same spec again: no change
     assert client.put("/workers/w9", json={"events": "tcp://127.0.0.1:1", "role": "decode", "dp_ranks": 2}).status_code == 200
@@ -141,10 +167,10 @@ def test_put_and_delete_workers_at_run_time(client: TestClient) -> None:
     resp = client.delete("/workers/w9/dp1")
     assert resp.status_code == 409 and "one rank of worker 'w9'" in resp.json()["error"]
     assert client.delete("/workers/w9").json() == {"removed": ["w9/dp0", "w9/dp1"]}
-    assert "w9/dp0" not in client.get("/workers").json()["workers"]
+    assert "w9/dp0" not in client.get("/workers").json()
     # a worker known only from its events can be removed too
     assert client.delete("/workers/w1").status_code == 200
-    assert client.post("/match", json={"token_ids": tokens(2, 2)}).json()["scores"] == {}
+    assert nonzero(client.post("/match", json={"token_ids": tokens(2, 2)}).json()["scores"]) == {}
 
 
 def test_removal_keeps_no_stale_claims() -> None:

@@ -33,9 +33,24 @@ def test_operations_match_http_shapes(api: tuple[RouterService, ZmqApiServer]) -
         assert m["scores"] == {"w0": 4}
         r = client.route(tokens(1, 4), request_id="z1")
         assert r["worker"] == "w0" and r["matched_tokens"] == 64 and r["request_id"] == "z1"
-        assert client.workers()["workers"]["w0"]["in_flight"] == 1
+        workers = client.workers()
+        # the GET /workers object: {name: info} at the top level
+        assert set(workers) == set(service.workers()) == {"w0"} and workers["w0"]["in_flight"] == 1
+        assert workers["w0"]["blocks_held"] == workers["w0"]["blocks"] == 4
         assert client.release("z1") == {}
-        assert client.workers()["workers"]["w0"]["in_flight"] == 0
+        assert client.workers()["w0"]["in_flight"] == 0
+
+
+def test_lora_by_name_or_id(api: tuple[RouterService, ZmqApiServer]) -> None:
+    service, server = api
+    service.apply_record("named", 0, batch(msgspec.structs.replace(stored(tokens(2, 2)), lora_name="sql")), 1.0)
+    with ZmqRouterClient(server.endpoint, auth_token="s3cret", timeout_s=5) as client:
+        assert client.match(tokens(2, 2), lora_id="sql")["scores"]["named"] == 2
+        assert client.match(tokens(2, 2), lora_id=7)["scores"].get("named", 0) == 0
+        assert client.route(tokens(2, 2), lora_id="sql")["worker"] == "named"
+        with pytest.raises(RouterApiError, match=r"\$\.lora_id") as err:
+            client.match([1], lora_id="")
+        assert err.value.status == 400
 
 
 def test_errors_and_auth(api: tuple[RouterService, ZmqApiServer]) -> None:

@@ -25,6 +25,12 @@ Our format (``.tslog`` by convention), version 1, little-endian::
 Also here: :func:`read_kvcap` for the ``.kvcap`` captures in
 ``shared/captures/`` and :func:`open_event_source`, which turns our log, one
 capture file or a capture directory into the same stream of :class:`LogRecord`.
+:class:`EventLogReader` opens a ``.kvcap`` file too (recognised by its magic):
+it yields the same records as ``open_event_source`` does for that file (worker
+= file name up to the first dot), with ``meta`` = ``{"format": "kvcap",
+"worker": ...}``, ``truncated`` set by a torn tail (the intact prefix is read),
+and ``seek_time``/``records(until_s=)``/``start_time_s`` as for a log. A
+capture has no record index: each pass re-reads the file (captures are small).
 """
 
 from __future__ import annotations
@@ -194,8 +200,18 @@ class EventLogReader:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self._path = Path(path)
         self._file: BinaryIO = open(self._path, "rb")  # noqa: SIM115 - owned, closed in close()
+        # A .kvcap capture is read as a log too: its message records become
+        # LogRecords (worker = file stem), as open_event_source yields them.
+        self._kvcap: _KvcapLog | None = None
         try:
-            self._meta, self._version, self._data_start = _read_header(self._file, self._path)
+            if self._file.read(len(KVCAP_MAGIC)) == KVCAP_MAGIC:
+                self._kvcap = _KvcapLog(self._path)
+                self._meta: dict[str, Any] = {"format": "kvcap", "worker": self._kvcap.worker}
+                self._version = 1
+                self._data_start = 0
+            else:
+                self._file.seek(0)
+                self._meta, self._version, self._data_start = _read_header(self._file, self._path)
         except BaseException:
             self._file.close()
             raise
@@ -216,7 +232,8 @@ class EventLogReader:
 
     @property
     def meta(self) -> dict[str, Any]:
-        """The JSON metadata stored in the header."""
+        """The JSON metadata stored in the header (for a ``.kvcap``:
+        ``{"format": "kvcap", "worker": <file stem>}``)."""
         return dict(self._meta)
 
     @property
@@ -231,7 +248,11 @@ class EventLogReader:
     @property
     def start_time_s(self) -> float | None:
         """Receive time of the first record (None for an empty log)."""
-        if self._first_time is None:
+        if self._first_time is None and self._kvcap is not None:
+            first_records = self._kvcap.load()
+            if first_records:
+                self._first_time = first_records[0].recv_time_s
+        elif self._first_time is None:
             first = self._read_at(self._data_start)
             if isinstance(first, tuple):
                 self._first_time = first[0].recv_time_s
@@ -243,6 +264,9 @@ class EventLogReader:
         Stops (setting :attr:`truncated`) before a torn or damaged record.
         A later call resumes at the first record not yet yielded.
         """
+        if self._kvcap is not None:
+            yield from self._kvcap_records(until_s)
+            return
         while True:
             got = self._read_at(self._pos)
             if got is None:
@@ -271,6 +295,12 @@ class EventLogReader:
         ``t`` is an absolute time in the log's clock (seconds since the epoch,
         like ``recv_time_s``); add :attr:`start_time_s` for a relative offset.
         """
+        if self._kvcap is not None:
+            records = self._kvcap.load()
+            self._pos = next(
+                (i for i, rec in enumerate(records) if rec.recv_time_s >= t), len(records)
+            )
+            return
         self._extend_index()
         i = bisect.bisect_left(self._index_times, t)
         pos = self._index_offsets[i - 1] if i > 0 else self._data_start
@@ -296,6 +326,19 @@ class EventLogReader:
         self.close()
 
     # --------------------------------------------------------- internals
+
+    def _kvcap_records(self, until_s: float | None) -> Iterator[LogRecord]:
+        # For a capture, the position is an index into its message records;
+        # each pass re-reads the file, so a growing capture is followed too.
+        assert self._kvcap is not None
+        records = self._kvcap.load()
+        self._truncated = self._kvcap.torn
+        while self._pos < len(records):
+            record = records[self._pos]
+            if until_s is not None and record.recv_time_s > until_s:
+                return
+            self._pos += 1
+            yield record
 
     def _extend_index(self) -> None:
         pos = self._indexed_to
@@ -401,6 +444,12 @@ def read_kvcap(path: str | os.PathLike[str]) -> Iterator[KvcapRecord]:
     data = Path(path).read_bytes()
     if not data.startswith(KVCAP_MAGIC):
         raise EventLogError(f"{path} is not a .kvcap capture (magic {data[:8]!r})")
+    for record, _ in _parse_kvcap(data):
+        yield record
+
+
+def _parse_kvcap(data: bytes) -> Iterator[tuple[KvcapRecord, int]]:
+    """Complete records of a capture (magic already checked), each with its end offset."""
     off = len(KVCAP_MAGIC)
     end = len(data)
     while off + _KVCAP_HEAD.size <= end:
@@ -416,7 +465,7 @@ def read_kvcap(path: str | os.PathLike[str]) -> Iterator[KvcapRecord]:
                 return
             frames.append(data[pos : pos + length])
             pos += length
-        yield KvcapRecord(recv_ns, tuple(frames))
+        yield KvcapRecord(recv_ns, tuple(frames)), pos
         off = pos
 
 
@@ -425,12 +474,38 @@ def kvcap_worker(path: str | os.PathLike[str]) -> str:
     return Path(path).name.split(".", 1)[0]
 
 
+class _KvcapLog:
+    """A capture seen as a log: its message records, re-read on each :meth:`load`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.worker = kvcap_worker(path)
+        self.torn = False
+
+    def load(self) -> list[LogRecord]:
+        """The message records of the intact prefix; sets :attr:`torn` when bytes
+        follow it (a torn or damaged last record)."""
+        data = self.path.read_bytes()
+        if not data.startswith(KVCAP_MAGIC):
+            raise EventLogError(f"{self.path} is not a .kvcap capture (magic {data[:8]!r})")
+        records: list[KvcapRecord] = []
+        clean_end = len(KVCAP_MAGIC)
+        for record, end in _parse_kvcap(data):
+            records.append(record)
+            clean_end = end
+        self.torn = clean_end != len(data)
+        return list(_kvcap_messages(records, self.worker))
+
+
 def _kvcap_log_records(path: Path) -> Iterator[LogRecord]:
+    yield from _kvcap_messages(read_kvcap(path), kvcap_worker(path))
+
+
+def _kvcap_messages(records: Iterable[KvcapRecord], worker: str) -> Iterator[LogRecord]:
     """Live records ``[topic, seq, payload]`` and replay records (DEALER delimiter
     first, then vLLM ``[topic, seq, payload]`` or TokenSpeed ``[seq, payload]``);
     end markers and anything else are skipped."""
-    worker = kvcap_worker(path)
-    for rec in read_kvcap(path):
+    for rec in records:
         frames = rec.frames
         if len(frames) == 4 and frames[0] == b"":
             topic, seq_frame, payload = frames[1:]

@@ -11,11 +11,17 @@ batch already seen (a live message that also came back through replay) or the
 first batch of a restarted publisher that happens to reuse an old number.
 Sequence numbers alone cannot tell them apart, so the tracker remembers a
 fingerprint (CRC32 and length) of the last ``window`` batches observed *with*
-their payload: a lower seq whose payload matches is a duplicate, one whose
-payload differs is a restart. Otherwise (no payload given, or none remembered
-for that seq) only an exact repeat of the last seq counts as a duplicate. Replayed payloads are byte-identical to the live ones in every
-engine (see ``shared/research/wire-formats.md`` §1), which is what makes the
-fingerprint reliable.
+their payload (the live subscriber passes every payload, live or replayed): a
+lower seq -- including an exact repeat of the last one -- whose payload matches
+is a duplicate, one whose payload differs is a restart. That is what catches a
+restarted publisher whose first batch reuses the last number seen (it
+published as many batches as the old process, or the slow joiner lost its
+first ones). Otherwise (no payload given, or none remembered for that seq)
+only an exact repeat of the last seq counts as a duplicate. Replayed payloads
+are byte-identical to the live ones in every engine (see
+``shared/research/wire-formats.md`` §1), which is what makes the fingerprint
+reliable; batches carry their publish time, so a new process does not repeat
+the bytes of an old one.
 
 Complexity: O(1) per observation; memory O(window).
 """

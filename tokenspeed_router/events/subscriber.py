@@ -563,9 +563,11 @@ class EventSubscriber:
             self._deliver(message, out)
 
     def _deliver(self, message: _Message, out: list[SubscriberItem]) -> None:
-        # Replayed batches are remembered by fingerprint so that their live
-        # copies, arriving later, are recognised as duplicates.
-        self._tracker.observe(message.seq, message.payload if message.replayed else None)
+        # Every delivered batch (live or replayed) is remembered by fingerprint:
+        # a later copy of it (a live message that also came through replay) is a
+        # duplicate, while different bytes under a seq already delivered can only
+        # come from a restarted publisher reusing the number.
+        self._tracker.observe(message.seq, message.payload)
         self._delivered += 1
         if message.replayed:
             self._replayed += 1

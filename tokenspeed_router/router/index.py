@@ -123,10 +123,12 @@ class ApplyStats(NamedTuple):
 class MatchDetail:
     """``match`` plus where the matched blocks live.
 
-    ``tiers[w]`` attributes each of the ``scores[w]`` leading blocks to its
-    best tier (gpu > cpu > storage), so a worker's tier counts sum to its
-    score. ``block_size`` names every known worker's block size, so callers
-    can turn blocks into tokens.
+    ``scores`` names every known worker (0 when it matches nothing).
+    ``tiers[w]`` (same keys, always all three tier names) attributes each of
+    the ``scores[w]`` leading blocks to its best tier (gpu > cpu > storage),
+    so a worker's tier counts sum to its score. ``block_size`` names every
+    known worker's block size (omitted only for a worker that never stored a
+    block), so callers can turn blocks into tokens.
     """
 
     scores: dict[str, int]
@@ -435,15 +437,32 @@ class KvIndex:
         #: block size -> mask of the workers using it (queries hash once per size)
         self._size_masks: dict[int, int] = {}
         self._roots: dict[tuple[int | None, str | bytes | None], int] = {}
+        self._workers_version = 0
 
     # ------------------------------------------------------------------ workers
 
     def workers(self) -> list[str]:
-        """Known workers (registered by their first batch), in registration order."""
+        """Known workers, in registration order.
+
+        A worker is known from its first applied batch (even an empty one)
+        until :meth:`remove_worker`; clearing its blocks keeps it known.
+        """
         return list(self._workers)
 
+    @property
+    def workers_version(self) -> int:
+        """Changes whenever the set of known workers changes (cheap polling for the router)."""
+        return self._workers_version
+
     def block_size_of(self, worker: str) -> int | None:
-        """The worker's block size (from its first BlockStored), or None."""
+        """The worker's block size, or None before its first BlockStored.
+
+        Set by the first BlockStored, and set again by the first BlockStored
+        that arrives while the worker holds no matchable block (after a
+        restart, a clear, or once everything was removed), so a worker that
+        restarts with another block size matches again. While it holds no
+        block this still reports the last size it used.
+        """
         ws = self._workers.get(worker)
         return None if ws is None else ws.block_size
 
@@ -486,11 +505,13 @@ class KvIndex:
             self._bits.append(1 << slot)
         ws = _Worker(name, slot, self._bits[slot])
         self._workers[name] = ws
+        self._workers_version += 1
         return ws
 
     def _unregister(self, ws: _Worker) -> None:
         self._set_block_size(ws, None)
         del self._workers[ws.name]
+        self._workers_version += 1
         self._names[ws.slot] = None
         self._free.append(ws.slot)
 
@@ -731,7 +752,22 @@ class KvIndex:
         code = medium_code(ev.medium)
         bs = ws.block_size
         ebs = ev.block_size
+        xk = ev.extra_keys
+        dumped = type(xk) is dict and DUMP_CONTENT_KEY in xk
         if bs is None:
+            self._set_block_size(ws, ebs)
+            bs = ebs
+        elif (
+            ebs != bs
+            and (dumped or not (n == 1 and ebs < bs and num < bs))
+            and _ext_len(ws) <= len(ws.unm)
+        ):
+            # The worker holds no matchable block (``_ext_len == len(unm)`` means
+            # every entry is an unaliased unmatchable one): it restarted or was
+            # cleared, maybe with another block size. Adopt the event's. A lone
+            # block shorter than both sizes and of a smaller size is instead a
+            # partial tail of the current grid (vLLM's cache_partial_block sends
+            # ``block_size`` = its token count), which must not reset the grid.
             self._set_block_size(ws, ebs)
             bs = ebs
         p = ev.parent_block_hash
@@ -745,8 +781,7 @@ class KvIndex:
                 raise UnknownParentError(ws.name, p)
             neg = pc < 0
             h = ~pc if neg else pc
-        xk = ev.extra_keys
-        if type(xk) is dict and DUMP_CONTENT_KEY in xk:
+        if dumped:
             cs = [int(c) & _M64 for c in xk[DUMP_CONTENT_KEY]]
             for i in xk.get(DUMP_UNMATCHABLE_KEY, ()):
                 cs[i] = ~cs[i]
@@ -1026,12 +1061,14 @@ class KvIndex:
     ) -> dict[str, int]:
         """Leading full blocks of ``token_ids`` each worker holds (any tier).
 
-        Only workers with at least one block appear. Hashes the request with
-        the index's content hash, lazily: hashing stops at the first block no
-        remaining worker holds, so the cost follows the matched depth, not the
-        prompt length.
+        Every known worker (see :meth:`workers`) appears, in registration
+        order, with 0 when it holds no leading block of the request (also when
+        it holds no block at all). Hashes the request with the index's
+        content hash, lazily: hashing stops at the first block no remaining
+        worker holds, so the cost follows the matched depth, not the prompt
+        length.
         """
-        scores: dict[str, int] = {}
+        scores = dict.fromkeys(self._workers, 0)
         if self._holders:
             seed = self._root(lora_key(lora_id), salt)
             for bs, group in self._size_masks.items():
@@ -1041,9 +1078,17 @@ class KvIndex:
     def match_detail(
         self, token_ids: Sequence[int] | Any, lora_id: int | str | None = None, salt: str | bytes | None = None
     ) -> MatchDetail:
-        """``match`` plus each worker's matched blocks by best tier and block sizes."""
-        scores: dict[str, int] = {}
-        tiers: dict[str, dict[str, int]] = {}
+        """``match`` plus each worker's matched blocks by best tier and block sizes.
+
+        ``scores`` is exactly ``match``'s answer (every known worker, zeros
+        included); ``tiers`` has the same keys, each with all three tier names
+        (``{"gpu": 0, "cpu": 0, "storage": 0}`` for a score of 0), summing to
+        the score; ``block_size`` lists every known worker whose block size is
+        known (a worker that never stored a block has none).
+        """
+        workers = self._workers
+        scores = dict.fromkeys(workers, 0)
+        tiers = {name: dict.fromkeys(TIER_NAMES, 0) for name in workers}
         if self._holders:
             seed = self._root(lora_key(lora_id), salt)
             for bs, group in self._size_masks.items():
@@ -1051,16 +1096,15 @@ class KvIndex:
                 part: dict[str, int] = {}
                 self._walk(token_ids, bs, group, seed, part, chain)
                 for name, score in part.items():
-                    wtiers = self._workers[name].tiers
-                    counts = dict.fromkeys(TIER_NAMES, 0)
+                    wtiers = workers[name].tiers
+                    counts = tiers[name]
                     if not wtiers:
                         counts["gpu"] = score
                     else:
                         for c in chain[:score]:
                             counts[best_tier(wtiers.get(c, GPU))] += 1
-                    tiers[name] = counts
                 scores.update(part)
-        sizes = {n: ws.block_size for n, ws in self._workers.items() if ws.block_size is not None}
+        sizes = {n: ws.block_size for n, ws in workers.items() if ws.block_size is not None}
         return MatchDetail(scores, tiers, sizes)
 
     def _walk(

@@ -105,13 +105,17 @@ class RouterConfig:
     uncached prompt token of this request, ``queue_weight`` per prefill token
     already queued on the worker, ``decode_weight`` per context token of
     requests in flight there, ``request_weight`` per in-flight request. The
-    defaults estimate TTFT as "queued prefill + own uncached prefill", with a
-    small pull towards workers holding less live KV.
+    defaults estimate TTFT as "queued prefill + own uncached prefill" with the
+    request's own prefill counted twice (recomputing a prefix elsewhere also
+    costs later requests and a second copy in another cache), plus a small
+    pull towards workers holding less live KV; routed prompts are remembered
+    for 15 s so siblings co-locate before the engine's events arrive. Both
+    settings were measured on the Mooncake traces (docs/readme/sim.md).
     """
 
     #: One of :class:`Policy` (a plain string such as ``"round_robin"`` works).
     policy: Policy | str = Policy.KV_AWARE
-    prefill_weight: float = 1.0
+    prefill_weight: float = 2.0
     queue_weight: float = 1.0
     decode_weight: float = 0.05
     request_weight: float = 0.0
@@ -134,7 +138,7 @@ class RouterConfig:
     #: long, and score each worker by the larger of index and memory, so that
     #: sibling requests arriving before the engine's BlockStored still
     #: co-locate (Dynamo's predict-on-route). 0 disables it.
-    predict_on_route_ttl_s: float = 0.0
+    predict_on_route_ttl_s: float = 15.0
     #: Prefix of generated request ids; None = a random one per Router.
     request_id_prefix: str | None = None
 
@@ -194,8 +198,9 @@ class RouteDecision:
     ``worker``: where the prompt is prefilled (the decode worker itself unless
     a remote prefill is needed). ``matched_blocks``/``matched_tokens``: the
     prefix ``worker`` holds, in its block size. ``scores``: leading blocks each
-    candidate holds as the router saw them (cold workers count 0; workers
-    without events count what the router remembers), only non-zero entries.
+    routable worker holds as the router saw them, every routable worker listed
+    (0 for none; cold workers count 0; workers without events count what the
+    router remembers; baseline policies, which read no prefix, list zeros).
     ``prefill_worker``: set only for a remote prefill; ``decode_worker``: where
     tokens are generated.
     """
@@ -228,6 +233,9 @@ class WorkerInfo:
     role: WorkerRole
     events: bool
     cold: bool
+
+
+_UNSYNCED: Any = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +332,11 @@ class Router:
         self._rng = rng if rng is not None else random.Random(config.seed)
         self._load_provider = load_provider
         self._workers: dict[str, _Worker] = {}
+        #: workers taken from the index, not added explicitly (see ``_discover``)
+        self._discovered: set[str] = set()
+        #: explicitly removed names the index may still know: never rediscovered
+        self._removed: set[str] = set()
+        self._index_version: object = _UNSYNCED
         self._cold: set[str] = set()
         self._pools: _Pools | None = None  # derived from _workers; None = rebuild
         self._inflight: dict[str, _InFlight] = {}
@@ -367,6 +380,9 @@ class Router:
         ``events=False`` marks a worker that publishes no KV events: its prefix
         knowledge comes from what this router routed there (approx mode).
         ``name`` must equal the index's worker name (``NAME/dpR`` per DP rank).
+        Workers the index knows need no ``add_worker`` (see :meth:`workers`);
+        calling it pins the role and keeps the worker routable after the
+        index forgets it.
         """
         if not isinstance(name, str) or not name:
             raise ConfigError(f"worker name must be a non-empty string, got {name!r}")
@@ -376,6 +392,8 @@ class Router:
             raise ConfigError(
                 f"worker {name!r}: role must be 'both', 'prefill' or 'decode', got {role!r}"
             ) from None
+        self._discovered.discard(name)
+        self._removed.discard(name)
         old = self._workers.get(name)
         if old is None:
             self._workers[name] = _Worker(name, parsed, bool(events))
@@ -389,7 +407,16 @@ class Router:
         self._pools = None
 
     def remove_worker(self, name: str) -> None:
-        """Stop routing to ``name`` and forget its load and approximate prefixes."""
+        """Stop routing to ``name`` and forget its load and approximate prefixes.
+
+        Also for a worker taken from the index: it is not rediscovered until
+        :meth:`add_worker` names it again.
+        """
+        self._removed.add(name)
+        self._discovered.discard(name)
+        self._forget(name)
+
+    def _forget(self, name: str) -> None:
         worker = self._workers.pop(name, None)
         if worker is None:
             return
@@ -407,6 +434,7 @@ class Router:
         """Cold workers score 0 matched blocks (their index state is not trusted)
         but stay routable by load. The ingestor's resyncing/stale states map here.
         """
+        self._discover()
         self._worker(name).cold = bool(cold)
         if cold:
             self._cold.add(name)
@@ -414,7 +442,14 @@ class Router:
             self._cold.discard(name)
 
     def workers(self) -> dict[str, WorkerInfo]:
-        """Every routable worker with its role, event mode and cold flag."""
+        """Every routable worker with its role, event mode and cold flag.
+
+        Routable: every worker added with :meth:`add_worker`, plus every worker
+        the index knows (``KvIndex.workers()``) that was neither added nor
+        removed explicitly; those route as ``role="both", events=True`` and
+        stop being routable when the index forgets them.
+        """
+        self._discover()
         return {w.name: WorkerInfo(w.role, w.events, w.cold) for w in self._workers.values()}
 
     # --- routing --------------------------------------------------------------
@@ -435,9 +470,10 @@ class Router:
         """
         now = self._clock()
         self._expire(now)
+        self._discover()
         workers = self._workers
         if not workers:
-            raise NoWorkerAvailableError("no workers: add_worker() first")
+            raise NoWorkerAvailableError("no workers: add_worker() first, or feed the index events")
         if request_id is None:
             request_id = f"{self._id_prefix}-{next(self._ids)}"
         elif request_id in self._inflight:
@@ -477,7 +513,7 @@ class Router:
             self._remote_prefills += 1
         elif self._num_split_roles:
             self._local_prefills += 1
-        scores = {w: k.blocks for w, k in known.items() if k.blocks > 0}
+        scores = {w: (known[w].blocks if w in known else 0) for w in pools.all}
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "route request_id=%s tokens=%d worker=%s prefill=%s decode=%s matched=%d",
@@ -543,6 +579,7 @@ class Router:
         ``load_provider``'s view.
         """
         self._expire(self._clock())
+        self._discover()
         return {
             w.name: WorkerLoad(w.active_requests, w.pending_prefill_tokens, w.active_tokens)
             for w in self._workers.values()
@@ -564,6 +601,34 @@ class Router:
         )
 
     # --- internals --------------------------------------------------------------
+
+    def _discover(self) -> None:
+        """Follow the index's membership for workers not added explicitly.
+
+        Costs one attribute read per call while the index's ``workers_version``
+        is unchanged (an index without it is listed every time; one without
+        ``workers()`` contributes nothing).
+        """
+        index = self._index
+        list_workers = getattr(index, "workers", None)
+        if list_workers is None:
+            return
+        version = getattr(index, "workers_version", None)
+        if version is not None and version == self._index_version:
+            return
+        self._index_version = version
+        names = list_workers()
+        if self._discovered:
+            present = set(names)
+            for name in [n for n in self._discovered if n not in present]:
+                self._discovered.discard(name)
+                self._forget(name)
+        workers = self._workers
+        for name in names:
+            if name not in workers and name not in self._removed:
+                workers[name] = _Worker(name, WorkerRole.BOTH, True)
+                self._discovered.add(name)
+                self._pools = None
 
     def _worker(self, name: str) -> _Worker:
         try:

@@ -7,6 +7,7 @@ bytes a client sends end as a request struct or an :class:`ApiError` with a
 4xx status naming the problem (msgspec's messages carry the JSON path, e.g.
 ``Expected `int` >= 0 - at `$.token_ids[2]```).
 
+``lora_id`` is an integer ``>= 0`` or a non-empty string (an adapter name).
 Token ids must be integers in ``[0, 2**63)``: engines use 32-bit vocabularies,
 the content hash encodes u64, and every client language has a signed 64-bit
 integer, so the bound rejects garbage without rejecting any real prompt.
@@ -36,7 +37,9 @@ __all__ = [
 
 MAX_TOKEN_ID = 2**63 - 1
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
-LoraId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+#: a LoRA adapter by id (``int >= 0``, what SGLang/TokenSpeed publish) or by name
+#: (a non-empty string: vLLM publishes ``lora_name``); the index matches either
+LoraId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)] | Annotated[str, Meta(min_length=1, max_length=4096)]
 
 
 class ApiError(Exception):

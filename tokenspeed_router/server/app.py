@@ -163,6 +163,7 @@ class RouterService:
         context: zmq.Context[Any] | None = None,
         sink_factory: SinkFactory | None = None,
         wall_clock: Callable[[], float] = time.time,
+        record_source: str = "tokenspeed-router serve",
     ) -> None:
         self.config = config
         self.index = KvIndex()
@@ -187,11 +188,31 @@ class RouterService:
         self._stopped = False
         self._ingesting = False
         self._state_health: Callable[[], dict[str, Any]] | None = None
+        #: the ``source`` written in the header of a ``--record`` log
+        self.record_source = record_source
 
     # --- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Register the configured workers, build the sink, subscribe, start ingesting."""
+        """Register the configured workers, build the sink, subscribe, start ingesting.
+
+        When any step fails, everything started so far is undone before the
+        error propagates (the ingestion thread stopped, the sink and event log
+        closed, every socket of an owned context closed with linger 0 and the
+        context terminated), so a failed start never leaves a process that
+        hangs at exit. ZeroMQ and file errors come out as :class:`ConfigError`.
+        """
+        if self._stopped:
+            raise RuntimeError("a stopped RouterService cannot be started again")
+        try:
+            self._start()
+        except BaseException as err:
+            self._abort_start()
+            if isinstance(err, zmq.ZMQError):
+                raise ConfigError(f"cannot start the router: {err}") from err
+            raise
+
+    def _start(self) -> None:
         # Workers (and their roles) are known before the sink exists: a replicated
         # sink may apply items from its shared stream as soon as it is built.
         subs = self.config.subscribers()
@@ -199,13 +220,16 @@ class RouterService:
             self._specs[spec.name] = spec
         self._register(subs)
         base = self._sink_factory(self) if self._sink_factory is not None else LocalIngestSink(self)
+        self._sink = base
         self._state_health = getattr(base, "health", None)  # state backend status for /health
         if self.config.record:
-            meta = {"source": "tokenspeed-router serve", "workers": [w.to_dict() for w in self.config.workers]}
-            self.recorder = RecordingSink(base, EventLogWriter(self.config.record, meta=meta), self.metrics)
+            meta = {"source": self.record_source, "workers": [w.to_dict() for w in self.config.workers]}
+            try:
+                writer = EventLogWriter(self.config.record, meta=meta)
+            except OSError as err:
+                raise ConfigError(f"cannot write the event log {self.config.record!r}: {err}") from err
+            self.recorder = RecordingSink(base, writer, self.metrics)
             self._sink = self.recorder
-        else:
-            self._sink = base
         # A replicated backend subscribes only while it leads (start_ingestion/stop_ingestion).
         self._ingesting = not getattr(base, "manages_ingestion", False)
         self._loop = IngestLoop(
@@ -216,13 +240,29 @@ class RouterService:
             stale_after_s=self.config.stale_after_s,
             replay_timeout_s=self.config.replay_timeout_s,
         )
-        try:
-            self._loop.start(subs if self._ingesting else [])
-        except Exception:
-            self._loop.stop()
-            raise
+        self._loop.start(subs if self._ingesting else [])
         self._serving = True
         logger.info("router service started with %d stream(s)", len(subs))
+
+    def _abort_start(self) -> None:
+        """Undo a partial :meth:`start` (best effort, never raises)."""
+        self._stopped = True
+        self._serving = False
+        if self._loop is not None:
+            try:
+                self._loop.stop()
+            except Exception:
+                logger.exception("stopping the ingestion loop after a failed start")
+        if self._sink is not None:
+            try:
+                self._sink.close()
+            except Exception:
+                logger.exception("closing the ingest sink after a failed start")
+        if self._own_context and (self._loop is None or not self._loop.running):
+            # Every socket made on our context (subscribers, monitors, a ZMQ API
+            # socket bound before start) is closed with linger 0: ctx.term() alone
+            # would block forever on any socket a failed step left open.
+            self._ctx.destroy(linger=0)
 
     def stop(self) -> None:
         """Stop ingesting, close the sink (flushes the event log). Idempotent."""
@@ -242,7 +282,8 @@ class RouterService:
                 logger.error("ingestion thread still running: not terminating the ZeroMQ context")
             else:
                 self._ctx.term()
-        logger.info("router service stopped")
+        # a service that never subscribed (replay, inspect) stops quietly
+        logger.log(logging.INFO if self._loop is not None else logging.DEBUG, "router service stopped")
 
     def __enter__(self) -> RouterService:
         self.start()
@@ -383,7 +424,7 @@ class RouterService:
 
     # --- queries ---------------------------------------------------------------------
 
-    def match(self, token_ids: list[int], lora_id: int | None = None, salt: str | None = None) -> dict[str, Any]:
+    def match(self, token_ids: list[int], lora_id: int | str | None = None, salt: str | None = None) -> dict[str, Any]:
         """``POST /match``: per-worker leading blocks held, block sizes, per-tier detail."""
         t0 = time.perf_counter()
         try:
@@ -399,7 +440,7 @@ class RouterService:
         token_ids: list[int],
         *,
         request_id: str | None = None,
-        lora_id: int | None = None,
+        lora_id: int | str | None = None,
         salt: str | None = None,
     ) -> dict[str, Any]:
         """``POST /route``: choose a worker and count the request in flight."""
@@ -424,7 +465,13 @@ class RouterService:
         return found
 
     def workers(self) -> dict[str, Any]:
-        """``GET /workers``: per stream role, state, blocks, seq, counters, lag."""
+        """``GET /workers``: ``{name: info}`` per stream, at the top level (DESIGN §6).
+
+        ``info`` holds role, state, blocks held (``blocks``, also as
+        ``blocks_held``), last seq, events applied and lag (``lag_s``: seconds
+        since the worker's last batch timestamp, also as ``lag``), plus
+        counters and endpoints.
+        """
         now = self._wall_clock()
         connected = self._loop.connected() if self._loop is not None else {}
         stats = self._loop.statistics() if self._loop is not None else {}
@@ -437,12 +484,15 @@ class RouterService:
                 st = statuses.get(name)
                 sub = self._subs.get(name)
                 wl = load.get(name)
+                blocks = self.index.num_blocks(name)
+                lag = (now - st.last_batch_ts) if st is not None and st.last_batch_ts else None
                 entry: dict[str, Any] = {
                     "worker": sub.worker if sub is not None else name,
                     "dp_rank": sub.dp_rank if sub is not None else None,
                     "role": self._roles.get(name, sub.role if sub is not None else "both"),
                     "state": st.state.value if st is not None else "live",
-                    "blocks": self.index.num_blocks(name),
+                    "blocks": blocks,
+                    "blocks_held": blocks,
                     "blocks_by_tier": self.index.blocks_by_tier(name),
                     "block_size": self.index.block_size_of(name),
                     "last_seq": st.last_seq if st is not None else None,
@@ -455,7 +505,8 @@ class RouterService:
                     "replayed_batches": self._replayed.get(name, 0),
                     "gaps": stats[name].gaps if name in stats else 0,
                     "malformed_frames": stats[name].malformed_total if name in stats else 0,
-                    "lag_s": (now - st.last_batch_ts) if st is not None and st.last_batch_ts else None,
+                    "lag_s": lag,
+                    "lag": lag,
                     "ingest_delay_s": st.lag_s if st is not None else None,
                     "in_flight": getattr(wl, "active_requests", 0) if wl is not None else 0,
                     "connected": connected.get(name),
@@ -463,7 +514,7 @@ class RouterService:
                     "replay_endpoint": sub.replay if sub is not None else None,
                 }
                 out[name] = entry
-        return {"workers": out}
+        return out
 
     def health(self) -> dict[str, Any]:
         """``GET /health``: cheap, lock-free liveness summary."""

@@ -4,14 +4,16 @@ For a file (our log, a ``.kvcap`` or a capture directory): per worker the
 records, events by kind, time span, sequence range, gaps / restarts /
 duplicates as the sequence numbers show them, and the blocks per tier the
 worker holds at the end (the log is replayed into a throwaway index through
-the same path as ``replay``). For a URL (``http://host:port``): the live
-router's ``GET /workers`` as a table. ``--json`` prints the summary as JSON.
+the same path as ``replay``). For a URL (``http://host:port``, optionally
+ending in ``/workers`` or ``/health``): the live router's ``GET /workers`` as
+a table. ``--json`` prints the summary as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,11 +21,12 @@ from typing import Any
 
 from tokenspeed_router.errors import ConfigError, EventLogError, RouterApiError, WireError
 from tokenspeed_router.events.codec import BatchDecoder
-from tokenspeed_router.events.log import LogRecord, open_event_source
+from tokenspeed_router.events.log import LogRecord
 from tokenspeed_router.events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from tokenspeed_router.events.sequencing import SequenceTracker, VerdictKind
+from tokenspeed_router.server.cli_replay import EventSource, warn_truncated
 
-__all__ = ["add_arguments", "inspect_records", "run"]
+__all__ = ["add_arguments", "inspect_records", "router_base_url", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +94,7 @@ def inspect_records(records: Iterable[LogRecord]) -> dict[str, Any]:
             elif isinstance(ev, AllBlocksCleared):
                 w.events["AllBlocksCleared"] += 1
         service.apply_record(rec.worker, rec.seq, batch, rec.recv_time_s, payload=rec.payload)
-    state = service.workers()["workers"]
+    state = service.workers()
     service.stop()
     firsts = [w.first_s for w in workers.values() if w.first_s is not None]
     lasts = [w.last_s for w in workers.values() if w.last_s is not None]
@@ -126,7 +129,7 @@ def _inspect_url(url: str, token: str | None) -> dict[str, Any]:
 
     try:
         with HttpRouterClient(url, auth_token=token) as client:
-            return {"url": url, "health": client.health(), **client.workers()}
+            return {"url": url, "health": client.health(), "workers": client.workers()}
     except RouterApiError:
         raise
     except Exception as err:  # httpx transport errors: name the URL
@@ -162,19 +165,36 @@ def _print_url_summary(summary: dict[str, Any]) -> None:
                   f"{last_seq:>9} {w.get('events_applied', 0):>9} {lag:>8}  {tiers}\n")
 
 
+def router_base_url(url: str) -> str:
+    """``http://h:p``, ``http://h:p/``, ``http://h:p/workers`` or ``.../health`` -> ``http://h:p``."""
+    base = url.rstrip("/")
+    for suffix in ("/workers", "/health"):
+        if base.endswith(suffix):
+            base = base[: -len(suffix)].rstrip("/")
+            break
+    return base
+
+
 def run(args: argparse.Namespace) -> int:
     target: str = args.target
     if target.startswith(("http://", "https://")):
-        summary = _inspect_url(target, args.auth_token)
+        # one INFO line per request from httpx would drown the table
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        summary = _inspect_url(router_base_url(target), args.auth_token)
         printer = _print_url_summary
     else:
         if not Path(target).exists():
             raise ConfigError(f"{target}: no such file or directory")
+        source = EventSource(target)
         try:
-            summary = inspect_records(open_event_source(target))
+            summary = inspect_records(source)
         except EventLogError as err:
             raise ConfigError(str(err)) from err
         summary["source"] = target
+        summary["truncated"] = source.truncated
+        if source.truncated:
+            warn_truncated("inspect", target)
         printer = _print_file_summary
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")

@@ -16,7 +16,7 @@ import threading
 import time
 
 from tokenspeed_router.server.cli_serve import shutdown_signals
-from tokenspeed_router.server.config import load_server_config
+from tokenspeed_router.server.config import check_output_path, load_server_config
 
 __all__ = ["add_arguments", "run"]
 
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker", action="append", metavar="SPEC",
         help="name=NAME,events=ENDPOINT[,replay=ENDPOINT][,dp_ranks=N][,topic=T] (repeatable; "
-        "env TOKENSPEED_ROUTER_WORKERS)",
+        "env TOKENSPEED_ROUTER_WORKER(S))",
     )
     parser.add_argument("--config", metavar="FILE", help="TOML config file (its workers are used)")
     parser.add_argument("--out", required=True, metavar="FILE", help="event log to write (replaced)")
@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.duration is not None and not args.duration > 0:
         raise ConfigError(f"--duration must be positive, got {args.duration}")
+    check_output_path(args.out, "--out")
     config = load_server_config(
         {"workers": args.worker, "record": args.out, "http": "none", "replay_timeout_s": args.replay_timeout_s},
         os.environ,
@@ -51,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if not config.workers:
         raise ConfigError("record: no workers given (--worker, --config or TOKENSPEED_ROUTER_WORKERS)")
-    service = RouterService(config, sink_factory=lambda _service: NullIngestSink())
+    service = RouterService(
+        config, sink_factory=lambda _service: NullIngestSink(), record_source="tokenspeed-router record"
+    )
     stop = threading.Event()
     started = time.monotonic()
     deadline = None if args.duration is None else started + args.duration

@@ -34,14 +34,14 @@ import msgspec
 
 from tokenspeed_router.errors import ConfigError, EventLogError, WireError
 from tokenspeed_router.events.codec import BatchDecoder
-from tokenspeed_router.events.log import EventLogReader, LogRecord, open_event_source
+from tokenspeed_router.events.log import LOG_MAGIC, EventLogReader, LogRecord, open_event_source
 from tokenspeed_router.server.cli_serve import (
     add_listener_arguments,
     config_from_args,
     shutdown_signals,
 )
 
-__all__ = ["ReplayStats", "add_arguments", "answer_queries", "replay_into", "run"]
+__all__ = ["EventSource", "ReplayStats", "add_arguments", "answer_queries", "replay_into", "run", "warn_truncated"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,15 +114,53 @@ def _until_abs(until: float | None, first_s: float | None) -> float | None:
     return (first_s or 0.0) + until
 
 
-def _first_time(path: str) -> tuple[float | None, int]:
-    """First receive time and record count (one cheap pass, for --until and the bar)."""
+class EventSource:
+    """The records of ``path`` (``open_event_source``), remembering whether the log was cut short.
+
+    After a full pass, :attr:`truncated` is true when our event log ends in a
+    torn or damaged record (a writer killed mid-append): the records before it
+    were yielded, the rest is lost, and the user should be told.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.truncated = False
+
+    def _is_event_log(self) -> bool:
+        p = Path(self.path)
+        if not p.is_file():
+            return False
+        with open(p, "rb") as fh:
+            return fh.read(len(LOG_MAGIC)) == LOG_MAGIC
+
+    def __iter__(self) -> Iterator[LogRecord]:
+        if self._is_event_log():
+            with EventLogReader(self.path) as reader:
+                yield from reader.records()
+                self.truncated = reader.truncated
+        else:
+            yield from open_event_source(self.path)
+
+
+def warn_truncated(command: str, path: str) -> None:
+    """One warning line on stderr for a log that ends in a truncated record."""
+    sys.stderr.write(
+        f"tokenspeed-router {command}: warning: {path} ends in a truncated or damaged record "
+        "(its writer stopped mid-write?); only the complete records before it were read\n"
+    )
+    sys.stderr.flush()
+
+
+def _first_time(path: str) -> tuple[float | None, int, bool]:
+    """First receive time, record count, truncated? (one cheap pass, for --until and the bar)."""
     first: float | None = None
     count = 0
-    for rec in open_event_source(path):
+    source = EventSource(path)
+    for rec in source:
         if first is None:
             first = rec.recv_time_s
         count += 1
-    return first, count
+    return first, count, source.truncated
 
 
 def replay_into(
@@ -235,9 +273,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.file}: no such file or directory")
     config = config_from_args(args, workers=(), record=None, state=None)
     try:
-        first_s, total = _first_time(args.file)
+        first_s, total, truncated = _first_time(args.file)
     except EventLogError as err:
         raise ConfigError(str(err)) from err
+    if truncated:
+        warn_truncated("replay", args.file)
     service = RouterService(config)
     roles = _roles_from_meta(args.file)
     if roles:

@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker", action="append", metavar="SPEC",
         help="name=NAME,events=ENDPOINT[,replay=ENDPOINT][,role=prefill|decode|both][,dp_ranks=N][,topic=T] "
-        "(repeatable; env TOKENSPEED_ROUTER_WORKERS='spec;spec')",
+        "(repeatable; env TOKENSPEED_ROUTER_WORKER(S)='spec;spec'; TOML [[worker]])",
     )
     parser.add_argument("--config", metavar="FILE", help="TOML config file (env TOKENSPEED_ROUTER_CONFIG)")
     parser.add_argument("--state", metavar="URL", help="shared state backend, e.g. redis://127.0.0.1:6379/0")
@@ -109,7 +109,13 @@ def resolve_state_sink(url: str) -> Callable[[Any], Any]:
     factory = getattr(state, "create_ingest_sink", None)
     if factory is None:
         raise ConfigError(f"--state {url}: this build's state backend has no create_ingest_sink()")
-    return lambda service: factory(url, service)
+    def create(service: Any) -> Any:
+        try:
+            return factory(url, service)
+        except ValueError as err:  # a URL redis-py refuses, past the checks in server/config.py
+            raise ConfigError(f"--state {url}: {err}") from err
+
+    return create
 
 
 @contextmanager
@@ -176,6 +182,8 @@ def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None) -> i
     finally:
         if zmq_api is not None:
             zmq_api.stop()
+        if http is not None:
+            http.close()
         service.stop()
     if service.recorder is not None:
         logger.info("event log %s: %d records", config.record, service.recorder.records)

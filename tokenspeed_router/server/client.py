@@ -1,7 +1,8 @@
 """Small Python clients for the router's query API (ZeroMQ and HTTP).
 
 Both expose the same methods (``match``, ``route``, ``release``, ``workers``,
-``health``) returning the JSON-shaped answers of DESIGN §6, and raise
+``health``) returning the JSON-shaped answers of DESIGN §6 (``lora_id`` may be
+an integer or an adapter name), and raise
 :class:`~tokenspeed_router.errors.RouterApiError` (with the HTTP-style
 ``status``) when the router refuses a request.
 
@@ -34,7 +35,7 @@ def _tokens(token_ids: Sequence[int] | Any) -> list[int]:
 
 
 def _body(
-    token_ids: Sequence[int] | Any, lora_id: int | None, salt: str | None, request_id: str | None = None
+    token_ids: Sequence[int] | Any, lora_id: int | str | None, salt: str | None, request_id: str | None = None
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"token_ids": _tokens(token_ids)}
     if lora_id is not None:
@@ -102,7 +103,7 @@ class ZmqRouterClient:
             raise TimeoutError("no reply")
         return self._dec.decode(self._sock.recv())
 
-    def match(self, token_ids: Sequence[int] | Any, *, lora_id: int | None = None, salt: str | None = None) -> Any:
+    def match(self, token_ids: Sequence[int] | Any, *, lora_id: int | str | None = None, salt: str | None = None) -> Any:
         return self.call("match", **_body(token_ids, lora_id, salt))
 
     def route(
@@ -110,7 +111,7 @@ class ZmqRouterClient:
         token_ids: Sequence[int] | Any,
         *,
         request_id: str | None = None,
-        lora_id: int | None = None,
+        lora_id: int | str | None = None,
         salt: str | None = None,
     ) -> Any:
         return self.call("route", **_body(token_ids, lora_id, salt, request_id))
@@ -119,6 +120,7 @@ class ZmqRouterClient:
         return self.call("release", request_id=request_id)
 
     def workers(self) -> Any:
+        """``{worker name: info}`` (the ``GET /workers`` object, DESIGN §6)."""
         return self.call("workers")
 
     def health(self) -> Any:
@@ -163,7 +165,7 @@ class HttpRouterClient:
     def _post(self, path: str, body: dict[str, Any]) -> Any:
         return self._answer(self._http.post(path, content=self._enc.encode(body)))
 
-    def match(self, token_ids: Sequence[int] | Any, *, lora_id: int | None = None, salt: str | None = None) -> Any:
+    def match(self, token_ids: Sequence[int] | Any, *, lora_id: int | str | None = None, salt: str | None = None) -> Any:
         return self._post("/match", _body(token_ids, lora_id, salt))
 
     def route(
@@ -171,7 +173,7 @@ class HttpRouterClient:
         token_ids: Sequence[int] | Any,
         *,
         request_id: str | None = None,
-        lora_id: int | None = None,
+        lora_id: int | str | None = None,
         salt: str | None = None,
     ) -> Any:
         return self._post("/route", _body(token_ids, lora_id, salt, request_id))
@@ -180,6 +182,7 @@ class HttpRouterClient:
         return self._post("/release", {"request_id": request_id})
 
     def workers(self) -> Any:
+        """``GET /workers``: ``{worker name: info}`` at the top level (DESIGN §6)."""
         return self._answer(self._http.get("/workers"))
 
     def health(self) -> Any:

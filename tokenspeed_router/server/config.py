@@ -4,11 +4,15 @@ Three sources fill it, highest precedence first:
 
 1. command-line flags (``--worker``, ``--http``, ...),
 2. environment variables ``TOKENSPEED_ROUTER_<KEY>`` (e.g. ``TOKENSPEED_ROUTER_HTTP``,
-   ``TOKENSPEED_ROUTER_WORKERS="name=w0,events=tcp://...;name=w1,..."``),
+   ``TOKENSPEED_ROUTER_WORKERS="name=w0,events=tcp://...;name=w1,..."``; specs are
+   separated by ``;`` or newlines, and ``TOKENSPEED_ROUTER_WORKER`` is the same
+   variable spelled like the flag),
 3. a TOML file (``--config router.toml`` or ``TOKENSPEED_ROUTER_CONFIG``).
 
 Every key has the same name in all three (``zmq_api`` = ``--zmq-api`` =
-``TOKENSPEED_ROUTER_ZMQ_API``). List-valued keys (``workers``) are taken whole
+``TOKENSPEED_ROUTER_ZMQ_API``); in TOML a key may be written with ``-`` as in
+the flag (``zmq-api``, ``auth-token``), and the worker list as ``[[workers]]``
+or ``[[worker]]``. List-valued keys (``workers``) are taken whole
 from the highest source that sets them, never merged: merging worker lists
 from two places makes "which workers am I routing to?" a puzzle at 3 a.m.
 
@@ -63,17 +67,23 @@ ENV_PREFIX = "TOKENSPEED_ROUTER_"
 #: keys a worker spec accepts (``--worker k=v,...``, a ``[[workers]]`` table, PUT /workers body)
 WORKER_KEYS = ("name", "events", "replay", "role", "dp_ranks", "topic")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
-_TCP_RE = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/\[\]]+):(?P<port>\d+|\*)$")
+_TCP_RE = re.compile(r"^tcp://(?P<host>\[[^\]\s]+\]|[^:/\[\]\s]+):(?P<port>\d+|\*)$")
 MAX_DP_RANKS = 1024
 
 
 # --------------------------------------------------------------------------- endpoints
 
 
-def parse_endpoint(value: object, *, what: str, allow_wildcard_port: bool = False) -> str:
+def parse_endpoint(
+    value: object, *, what: str, allow_wildcard_port: bool = False, connect: bool = False
+) -> str:
     """Validate a ZeroMQ endpoint (``tcp://host:port``, ``ipc://path``, ``inproc://name``).
 
-    Returns it unchanged; raises :class:`ConfigError` naming ``what``.
+    ``connect=True`` for endpoints we connect to (a worker's ``events`` and
+    ``replay``): those need a real host and port, so the bind-only wildcards
+    (host ``*``, port ``*`` or ``0``) are refused here, at configuration time,
+    instead of failing inside ZeroMQ when the subscriber starts.
+    Returns the endpoint unchanged; raises :class:`ConfigError` naming ``what``.
     """
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{what}: expected a ZeroMQ endpoint string, got {value!r}")
@@ -87,13 +97,22 @@ def parse_endpoint(value: object, *, what: str, allow_wildcard_port: bool = Fals
             f"{what}: {value!r} is not a ZeroMQ endpoint "
             "(expected tcp://HOST:PORT, ipc://PATH or inproc://NAME)"
         )
-    port = m.group("port")
+    host, port = m.group("host"), m.group("port")
+    if connect and host in ("*", "[*]"):
+        raise ConfigError(
+            f"{what}: {value!r} has host '*', which only works for binding; the router "
+            "connects to this endpoint, so give the worker's address (e.g. tcp://127.0.0.1:5557)"
+        )
     if port == "*":
-        if not allow_wildcard_port:
+        if connect or not allow_wildcard_port:
             raise ConfigError(f"{what}: {value!r} needs an explicit port")
         return value
     if not 0 <= int(port) <= 65535:
         raise ConfigError(f"{what}: port {port} out of range in {value!r}")
+    if connect and int(port) == 0:
+        raise ConfigError(
+            f"{what}: {value!r} has port 0, which only works for binding; give the worker's real port"
+        )
     return value
 
 
@@ -194,9 +213,9 @@ class WorkerSpec:
                 "(1-128 chars, '/' is reserved for DP ranks)"
             )
         what = f"worker {self.name!r}"
-        parse_endpoint(self.events, what=f"{what} events")
+        parse_endpoint(self.events, what=f"{what} events", connect=True)
         if self.replay is not None:
-            parse_endpoint(self.replay, what=f"{what} replay")
+            parse_endpoint(self.replay, what=f"{what} replay", connect=True)
         if self.role not in ROLES:
             raise ConfigError(f"{what}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if isinstance(self.dp_ranks, bool) or not isinstance(self.dp_ranks, int):
@@ -235,6 +254,7 @@ class WorkerSpec:
         """Build from a mapping (TOML table, JSON body); strings are coerced for ``dp_ranks``."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"{source}: expected a table/object, got {type(data).__name__}")
+        data = _canonical_keys(data, {}, source)  # dp-ranks = dp_ranks
         unknown = sorted(set(data) - set(WORKER_KEYS))
         if unknown:
             raise ConfigError(
@@ -400,8 +420,26 @@ _SCALAR_KEYS = (
 _LIST_KEYS = ("workers",)
 _TABLE_KEYS = ("router",)
 KNOWN_KEYS = _SCALAR_KEYS + _LIST_KEYS + _TABLE_KEYS
+#: other spellings of a key, after ``-`` -> ``_`` (TOML, environment): the flag is
+#: ``--worker`` (singular) and ``--router-option``, the canonical keys are plural/``router``
+KEY_ALIASES = {"worker": "workers", "router_option": "router", "router_options": "router"}
 #: environment variables read by other parts of the CLI, not by ServerConfig
 _FOREIGN_ENV = {"LOG_LEVEL", "CONFIG"}
+
+
+def _canonical_keys(data: Mapping[str, Any], aliases: Mapping[str, str], source: str) -> dict[str, Any]:
+    """Keys with ``-`` read as ``_`` and aliases resolved (``zmq-api`` = ``zmq_api``,
+    ``worker`` = ``workers``); two spellings of one key in the same place is an error."""
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for key, value in data.items():
+        canon = str(key).replace("-", "_")
+        canon = aliases.get(canon, canon)
+        if canon in given:
+            raise ConfigError(f"{source}: {given[canon]!r} and {key!r} set the same key {canon!r}; give one")
+        given[canon] = str(key)
+        out[canon] = value
+    return out
 
 
 def _parse_float(value: Any, what: str) -> float:
@@ -439,21 +477,60 @@ def _parse_option_value(text: str) -> Any:
 def parse_router_options(items: Any, what: str) -> dict[str, Any]:
     """``["k=v", ...]`` or ``"k=v;k=v"`` or a mapping -> dict."""
     if isinstance(items, Mapping):
-        return dict(items)
+        return _canonical_keys(items, {}, what)  # queue-weight = queue_weight
     if isinstance(items, str):
-        items = [p for p in items.split(";") if p.strip()]
+        items = [p for p in re.split(r"[;\n]", items) if p.strip()]
     out: dict[str, Any] = {}
     for item in items or ():
         key, sep, value = str(item).partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"{what}: {item!r} is not KEY=VALUE")
-        out[key.strip()] = _parse_option_value(value.strip())
+        out[key.strip().replace("-", "_")] = _parse_option_value(value.strip())
     return out
 
 
+STATE_SCHEMES = ("redis", "rediss", "unix")
+
+
+def check_state_url(url: str, what: str) -> str:
+    """Catch a malformed ``--state`` URL here, with a message, not as a ValueError deep in redis-py."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises ValueError for a port that is not a number
+    except ValueError as err:
+        raise ConfigError(f"{what}: {url!r} is not a valid URL: {err}") from None
+    if parts.scheme not in STATE_SCHEMES:
+        raise ConfigError(f"{what}: {url!r}: the state URL must be redis://, rediss:// or unix://")
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ConfigError(f"{what}: {url!r} names no socket path (unix:///path/to/redis.sock)")
+        return url
+    if not parts.hostname:
+        raise ConfigError(f"{what}: {url!r} names no host (e.g. redis://127.0.0.1:6379/0)")
+    if port is not None and not 0 < port <= 65535:
+        raise ConfigError(f"{what}: port {port} out of range in {url!r}")
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise ConfigError(f"{what}: {url!r}: the database must be a number (redis://HOST:PORT/0)")
+    return url
+
+
+def check_output_path(path: str, what: str) -> str:
+    """An output file we will create: its directory must exist and it must not be a directory."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{what}: {path!r} is a directory, not a file")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"{what}: cannot write {path!r}: directory {str(parent)!r} does not exist")
+    return path
+
+
 def _parse_workers(value: Any, what: str) -> tuple[WorkerSpec, ...]:
-    if isinstance(value, str):  # env: semicolon-separated specs
-        return tuple(WorkerSpec.parse(p) for p in value.split(";") if p.strip())
+    if isinstance(value, str):  # env: specs separated by ';' or newlines
+        return tuple(WorkerSpec.parse(p) for p in re.split(r"[;\n]", value) if p.strip())
     if isinstance(value, Mapping):  # TOML [workers.NAME] tables
         return tuple(
             WorkerSpec.from_mapping(v, name=k, source=f"{what} [workers.{k}]") for k, v in value.items()
@@ -481,26 +558,32 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(path)!r}: {err}") from err
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from err
+    source = f"config file {str(path)!r}"
+    data = _canonical_keys(data, KEY_ALIASES, source)
     unknown = sorted(set(data) - set(KNOWN_KEYS))
     if unknown:
         raise ConfigError(
-            f"config file {str(path)!r}: unknown key(s) {', '.join(map(repr, unknown))} "
-            f"(known: {', '.join(KNOWN_KEYS)})"
+            f"{source}: unknown key(s) {', '.join(map(repr, unknown))} "
+            f"(known: {', '.join(KNOWN_KEYS)}; '-' may be written for '_', "
+            "and 'worker' for 'workers')"
         )
     return data
 
 
 def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    given: dict[str, str] = {}
     for var, value in env.items():
         if not var.startswith(ENV_PREFIX):
             continue
         key = var[len(ENV_PREFIX):].lower()
         if key.upper() in _FOREIGN_ENV:
             continue
-        if key == "router_options":
-            out["router"] = value
-        elif key in KNOWN_KEYS and key != "router":
+        key = KEY_ALIASES.get(key, key)  # TOKENSPEED_ROUTER_WORKER, like the --worker flag
+        if key in KNOWN_KEYS and (key != "router" or var != ENV_PREFIX + "ROUTER"):
+            if key in given:
+                raise ConfigError(f"environment: {given[key]} and {var} are both set; give one")
+            given[key] = var
             out[key] = value
         else:
             # Not fatal: other parts of the CLI may own TOKENSPEED_ROUTER_* names.
@@ -549,6 +632,10 @@ def load_server_config(
             if not isinstance(got[0], str):
                 raise ConfigError(f"{key} ({got[1]}): expected a string, got {got[0]!r}")
             kwargs[key] = got[0] or None
+            if kwargs[key] is not None and key == "state":
+                check_state_url(kwargs[key], f"state ({got[1]})")
+            elif kwargs[key] is not None and key == "record":
+                check_output_path(kwargs[key], f"record ({got[1]})")
     if kwargs.get("zmq_api") is not None:
         parse_endpoint(kwargs["zmq_api"], what="zmq_api")
     token_got = pick("auth_token")

@@ -314,6 +314,10 @@ class HttpServer:
     def request_shutdown(self) -> None:
         self._server.should_exit = True
 
+    def close(self) -> None:
+        """Release the listen socket of a server that never ran (idempotent)."""
+        self._sock.close()
+
     def start_background(self, timeout_s: float = 10.0) -> threading.Thread:
         """Run in a daemon thread (tests, benchmarks, ``replay --serve`` helpers)."""
         thread = threading.Thread(target=self.run, name="tokenspeed-http", daemon=True)

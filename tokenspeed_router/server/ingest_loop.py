@@ -33,6 +33,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.events.frames import ipv6_endpoint
 from tokenspeed_router.events.subscriber import (
     EventSubscriber,
     SubscriberItem,
@@ -177,7 +179,34 @@ class IngestLoop:
     def _open_all(self, specs: list[SubscriberSpec]) -> None:
         self.open_streams(specs)
 
+    def _probe(self, spec: SubscriberSpec) -> None:
+        """Check that ZeroMQ accepts the stream's endpoints before subscribing.
+
+        A throwaway socket tries each ``connect`` and is closed with linger 0
+        whatever happens: if the subscriber's own connect failed instead, its
+        half-built socket would stay open on the shared context (and block
+        ``Context.term`` at shutdown). The check is local (libzmq connects
+        asynchronously): an unreachable worker is not an error, only an
+        endpoint ZeroMQ cannot use.
+        """
+        for what, endpoint, kind in (("events", spec.events, zmq.SUB), ("replay", spec.replay, zmq.DEALER)):
+            if endpoint is None:
+                continue
+            probe = self._ctx.socket(kind)
+            try:
+                probe.setsockopt(zmq.LINGER, 0)
+                if ipv6_endpoint(endpoint):
+                    probe.setsockopt(zmq.IPV6, 1)
+                probe.connect(endpoint)
+            except zmq.ZMQError as err:
+                raise ConfigError(
+                    f"worker {spec.name!r}: cannot connect to its {what} endpoint {endpoint}: {err}"
+                ) from None
+            finally:
+                probe.close(linger=0)
+
     def _open(self, spec: SubscriberSpec, start_seq: int | None = None) -> None:
+        self._probe(spec)
         sub = EventSubscriber(
             spec.name,
             spec.events,
@@ -190,7 +219,11 @@ class IngestLoop:
         )
         monitor: zmq.Socket[bytes] | None = None
         if not spec.events.startswith("inproc://"):
-            monitor = sub.socket.get_monitor_socket(_MONITOR_EVENTS)
+            try:
+                monitor = sub.socket.get_monitor_socket(_MONITOR_EVENTS)
+            except BaseException:
+                sub.close()
+                raise
         # The subscriber connected in its constructor, before the monitor existed, so
         # a quick EVENT_CONNECTED may already be gone: start optimistic and let
         # EVENT_CONNECT_RETRIED (sent every reconnect interval while the endpoint is

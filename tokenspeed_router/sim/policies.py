@@ -91,7 +91,12 @@ class RouterBackend:
 
     @property
     def router(self) -> Any:
+        """The underlying :class:`Router` (for inspection)."""
         return self._router
+
+    def ingest_statuses(self) -> dict[str, Any]:
+        """Per worker ingest status (resyncs, rejected events); empty without events."""
+        return dict(self._ingestor.statuses()) if self._ingestor is not None else {}
 
     def route(self, request: TraceRequest, tokens: np.ndarray) -> RouteChoice:
         decision = self._router.route(tokens, request_id=request.request_id)
