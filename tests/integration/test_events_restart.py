@@ -82,15 +82,18 @@ def _bind(ctx: Ctx, endpoint: str, replay: str) -> ZmqEventPublisher:
     return pub
 
 
-def _wait_connected(ctx: Ctx, monitor: zmq.Socket[bytes], replay: str) -> None:
+def _wait_connected(ctx: Ctx, monitor: zmq.Socket[bytes], replay: str, col: _Items) -> None:
     """Wait for the SUB socket's handshake with a (new) publisher process.
 
-    The PUB side learns the subscription about a round trip later; one replay
-    round trip to the same process covers that, so no batch is lost to the
-    slow joiner (the point here is the seq collision itself).
+    The SUB sends its subscription when its own thread next touches the socket
+    (the subscriber is polled meanwhile) and the PUB side learns it about a
+    round trip later; one replay round trip to the same process covers that,
+    so no batch is lost to the slow joiner (the point here is the seq
+    collision itself).
     """
 
     def handshake() -> bool:
+        col.items.extend(col.poll(0))
         return bool(monitor.poll(10)) and (
             recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
         )
@@ -102,6 +105,7 @@ def _wait_connected(ctx: Ctx, monitor: zmq.Socket[bytes], replay: str) -> None:
     dealer.send_multipart([b"", encode_seq(0)])
 
     def ended() -> bool:
+        col.items.extend(col.poll(0))
         return bool(dealer.poll(10)) and dealer.recv_multipart()[2] == END_SEQ
 
     wait_until(ended, 10.0, interval_s=0.0, what="a replay round trip")
@@ -133,7 +137,7 @@ def test_restarted_publisher_with_colliding_seqs(ctx: Ctx, n_old: int, n_new: in
     # The join replay (from 0, empty ring) completes first, so that the old
     # batches arrive live, as they do from a long-running engine.
     col.until(lambda: sub.statistics().replay_requests == 1 and not sub.statistics().replaying)
-    _wait_connected(ctx, monitor, replay)
+    _wait_connected(ctx, monitor, replay, col)
     old = [_batch(i) for i in range(n_old)]
     _publish(first, old, col, sub)
     col.until(lambda: [b.seq for b in col.batches] == list(range(n_old)))
@@ -142,7 +146,7 @@ def test_restarted_publisher_with_colliding_seqs(ctx: Ctx, n_old: int, n_new: in
     first.close()
 
     second = _bind(ctx, endpoint, replay)  # the same endpoints, a new process
-    _wait_connected(ctx, monitor, replay)
+    _wait_connected(ctx, monitor, replay, col)
     new = [_batch(500 + i) for i in range(n_new)]
     _publish(second, new, col, sub)
     col.until(lambda: col.batches[-1].epoch == 1 and col.batches[-1].seq == n_new - 1

@@ -127,6 +127,13 @@ class SequenceTracker:
         self._accept(seq, payload)
         return verdict
 
+    def matches(self, seq: int, payload: bytes | bytearray | memoryview) -> bool | None:
+        """Whether ``payload`` is what was accepted under ``seq`` (None: not remembered)."""
+        known = self._recent.get(seq)
+        if known is None:
+            return None
+        return known == _fingerprint(payload)
+
     def jump_to(self, next_seq: int) -> None:
         """Expect ``next_seq`` next without a verdict (after an accepted loss)."""
         if next_seq < 0:

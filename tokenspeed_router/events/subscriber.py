@@ -208,6 +208,7 @@ _JOIN: Final = "join"  # first message was not seq 0 (slow joiner)
 _RESUME: Final = "resume"  # caller asked to start at start_seq
 _GAP: Final = "gap"
 _RESTART: Final = "restart"  # a restarted publisher's first message was not seq 0
+_VERIFY: Final = "verify"  # the connection came back: same process or a new one?
 
 
 @dataclass(slots=True)
@@ -272,6 +273,7 @@ class EventSubscriber:
         self._held: deque[_Message] = deque()
         self._limiter = RateLimitedLog(logger, _LOG_INTERVAL_S)
         self._closed = False
+        self._verify_pending = False
 
         self._received = 0
         self._delivered = 0
@@ -339,8 +341,24 @@ class EventSubscriber:
         if not self._started and self._replay_endpoint is not None:
             return True
         if self._replay is None:
-            return bool(self._held)
+            return bool(self._held) or self._verify_pending
         return time.monotonic() >= self._replay.deadline
+
+    def connection_reset(self) -> None:
+        """Say that the SUB connection was re-established (for a caller that
+        monitors :attr:`socket`: EVENT_CONNECTED after EVENT_DISCONNECTED).
+
+        The publisher may be a new process whose first batches went out before
+        the connection was back; if its first seq seen is above the last one
+        delivered, the stream alone cannot show the restart. So, with a replay
+        endpoint, the next :meth:`process_ready` replays from 0 and compares
+        the batches the publisher holds with those delivered under the same
+        seqs: different bytes mean a restart (PublisherRestarted, then the new
+        process's batches from 0); the same bytes (a network blip) or nothing
+        to compare change nothing. Without a replay endpoint this is a no-op.
+        """
+        if self._replay_endpoint is not None and not self._closed:
+            self._verify_pending = True
 
     def poll(self, timeout_s: float) -> list[SubscriberItem]:
         """Wait up to ``timeout_s`` for input, then return what is ready."""
@@ -363,6 +381,10 @@ class EventSubscriber:
         if not self._started:
             self._started = True
             self._catch_up(out)
+        if self._verify_pending and self._replay is None:
+            self._verify_pending = False
+            if self._joined and self._tracker.last_seq is not None:
+                self._start_replay(0, _VERIFY, None, out)
         self._pump_replay(out)
         self._drain_held(out)
         for _ in range(_MAX_MESSAGES_PER_CALL):
@@ -672,6 +694,8 @@ class EventSubscriber:
         replay = self._replay
         assert replay is not None
         self._replay = None
+        if replay.purpose == _VERIFY and not self._verified_restart(replay, failure, out):
+            return  # same process (or nothing to tell): held messages go the live way
         start = replay.start_seq
         merged: dict[int, _Message] = {}
         for message in replay.items:
@@ -724,6 +748,33 @@ class EventSubscriber:
                 tracker.jump_to(seq)
             fresh = False
             self._deliver(merged[seq], out)
+
+
+    def _verified_restart(
+        self, replay: _Replay, failure: str | None, out: list[SubscriberItem]
+    ) -> bool:
+        """After a reconnect: do the publisher's batches differ from those delivered
+        under the same seqs? If so, report the restart and expect seq 0 next."""
+        tracker = self._tracker
+        last = tracker.last_seq
+        if failure is not None or last is None:
+            return False
+        differ = next(
+            (m for m in replay.items if m.seq <= last and tracker.matches(m.seq, m.payload) is False),
+            None,
+        )
+        if differ is None:
+            return False
+        self._restarts += 1
+        first_seq = replay.items[0].seq
+        epoch = tracker.new_epoch()
+        logger.warning(
+            "kv subscriber worker=%s: publisher restarted while disconnected (its seq %d "
+            "differs from the one delivered), epoch=%d", self._worker, differ.seq, epoch,
+        )
+        out.append(PublisherRestarted(self._worker, last, first_seq, epoch))
+        tracker.jump_to(0)
+        return True
 
 
 class SubscriberGroup:
