@@ -303,3 +303,55 @@ def test_slow_joiner_below_last_seq_after_restart(ctx: Ctx, engine: _Engine) -> 
     assert [(b.seq, b.batch) for b in epoch1] == [(s, _batch(300 + s)) for s in range(3)]
     assert sub.statistics().restarts == 1
     sub.close()
+
+
+def test_connection_reset_finds_restart_hidden_by_in_order_seq(
+    ctx: Ctx, engine: _Engine
+) -> None:
+    sub = EventSubscriber("w", engine.endpoint, replay_endpoint=engine.replay_endpoint,
+                          topic="kv", context=ctx)
+    col = _Items(sub.poll)
+    _old_life(engine, col, sub, 2)
+    # The new process published 0..2 before the connection was back; the first
+    # seq seen live, 2, is the one expected next: only a replay can tell.
+    engine.ring = {seq: encode_batch(_batch(400 + seq)) for seq in range(3)}
+    requests_before = len(engine.requests)
+    sub.connection_reset()
+    assert sub.needs_processing()
+    engine.send(2, engine.ring[2])
+    col.until(lambda: col.batches[-1].epoch == 1 and col.batches[-1].seq == 2
+              and not sub.statistics().replaying, each=engine.serve)
+    assert engine.requests[requests_before:] == [0]
+    after_old = col.items[2:]
+    restart = after_old[0]
+    assert isinstance(restart, PublisherRestarted)
+    assert (restart.last_seq, restart.new_seq, restart.epoch) == (1, 0, 1)
+    assert [(b.seq, b.batch) for b in after_old[1:] if isinstance(b, BatchReceived)] == [
+        (seq, _batch(400 + seq)) for seq in range(3)
+    ]
+    assert len(after_old) == 4 and sub.statistics().restarts == 1
+    sub.close()
+
+
+def test_connection_reset_to_the_same_process_changes_nothing(
+    ctx: Ctx, engine: _Engine
+) -> None:
+    sub = EventSubscriber("w", engine.endpoint, replay_endpoint=engine.replay_endpoint,
+                          topic="kv", context=ctx)
+    col = _Items(sub.poll)
+    _old_life(engine, col, sub, 2)
+    requests_before = len(engine.requests)
+    sub.connection_reset()  # a network blip: the ring still holds our batches
+    engine.send(2, encode_batch(_batch(2)))
+    col.until(lambda: col.batches[-1].seq == 2 and not sub.statistics().replaying,
+              each=engine.serve)
+    assert engine.requests[requests_before:] == [0]
+    assert all(isinstance(x, BatchReceived) and x.epoch == 0 for x in col.items)
+    assert [b.seq for b in col.batches] == [0, 1, 2]
+    assert sub.statistics().restarts == 0 and sub.statistics().resyncs == 0
+    sub.close()
+
+    no_replay = EventSubscriber("w", engine.endpoint, topic="kv", context=ctx)
+    no_replay.connection_reset()  # nothing to verify with
+    assert not no_replay.needs_processing()
+    no_replay.close()

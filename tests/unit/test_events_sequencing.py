@@ -89,3 +89,5 @@ def test_repeat_of_last_seq_with_other_bytes_is_a_restart() -> None:
     assert t.epoch == 1 and t.expected_seq == 3
     assert t.observe(2, b"new-2").kind is VerdictKind.DUPLICATE  # now it is the new one's
     assert t.classify(1, b"old-1").kind is VerdictKind.RESTART  # old fingerprints are gone
+    assert t.matches(2, b"new-2") is True and t.matches(2, b"old-2") is False
+    assert t.matches(7, b"never seen") is None

@@ -9,7 +9,11 @@ of :data:`SubscriberItem` s:
   exactly once (live or replayed);
 * :class:`PublisherRestarted` when the sequence goes backwards (engines
   restart from 0 and say nothing else): drop the worker's state, then apply
-  the batches that follow;
+  the batches that follow. Every delivered batch is fingerprinted, so a seq
+  already delivered -- the last one included -- arriving with other bytes is
+  a restart too (a new process that published as many batches as the old
+  one, or whose first ones the reconnecting SUB lost); with the same bytes it
+  is a duplicate;
 * :class:`ResyncNeeded` when batches were lost and replay could not bring
   them back: drop the worker's state and treat it as resyncing. A hole is
   never delivered silently.
@@ -55,9 +59,13 @@ once per reason per interval, and skipped. Only the batch decoder's
 :class:`WireError` is expected there; nothing malformed stops the stream.
 
 Threading: a subscriber and its sockets belong to one thread (zmq sockets are
-not thread safe). Limits: a publisher that restarts and publishes past our
-expected seq before we notice looks like a gap, not a restart (nothing on the
-wire tells the difference; vLLM-compatible publishers carry no epoch).
+not thread safe). Limits: a publisher that restarts and whose first batch we
+see is at or above our expected seq looks like an in-order batch or a gap, not
+a restart (nothing on the wire tells the difference; vLLM-compatible
+publishers carry no epoch) -- unless the caller, watching the SUB socket,
+calls :meth:`EventSubscriber.connection_reset` when the connection comes
+back: the publisher's ring is then replayed from 0 and compared with what was
+delivered.
 """
 
 from __future__ import annotations
