@@ -355,6 +355,9 @@ class IngestLoop:
         if connected:
             stream.reported_stale = False
             logger.info("worker=%s connected to %s", stream.spec.name, stream.spec.events)
+            # A reconnection may be a new publisher process whose first batches
+            # went out before we were back: let the subscriber verify through replay.
+            stream.subscriber.connection_reset()
         else:
             stream.down_since_s = time.monotonic()
             logger.warning("worker=%s not connected to %s (retrying)", stream.spec.name, stream.spec.events)
