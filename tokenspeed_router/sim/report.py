@@ -181,7 +181,7 @@ def write_plots(runs: Mapping[str, RunResult], out_dir: Path, *, title: str) -> 
     for n in names:
         ttft = np.sort(runs[n].ttft_s)
         if ttft.size:
-            ax_cdf.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=n, color=colors.get(n))
+            ax_cdf.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=n, color=colors.get(n, "grey"))
     ax_cdf.set_xscale("log")
     ax_cdf.set_xlabel("simulated TTFT (s, log)")
     ax_cdf.set_ylabel("fraction of requests")
