@@ -89,6 +89,6 @@ def test_indexes_without_membership_contribute_nothing() -> None:
 
 def test_defaults_are_the_measured_ones() -> None:
     config = RouterConfig()
-    assert config.prefill_weight == 2.0
+    assert config.prefill_weight == 2.5
     assert config.predict_on_route_ttl_s == 15.0
-    assert config.weights().prefill_weight == 2.0
+    assert config.weights().prefill_weight == 2.5

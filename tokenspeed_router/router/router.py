@@ -106,7 +106,7 @@ class RouterConfig:
     already queued on the worker, ``decode_weight`` per context token of
     requests in flight there, ``request_weight`` per in-flight request. The
     defaults estimate TTFT as "queued prefill + own uncached prefill" with the
-    request's own prefill counted twice (recomputing a prefix elsewhere also
+    request's own prefill counted 2.5 times (recomputing a prefix elsewhere also
     costs later requests and a second copy in another cache), plus a small
     pull towards workers holding less live KV; routed prompts are remembered
     for 15 s so siblings co-locate before the engine's events arrive. Both
@@ -115,7 +115,7 @@ class RouterConfig:
 
     #: One of :class:`Policy` (a plain string such as ``"round_robin"`` works).
     policy: Policy | str = Policy.KV_AWARE
-    prefill_weight: float = 2.0
+    prefill_weight: float = 2.5
     queue_weight: float = 1.0
     decode_weight: float = 0.05
     request_weight: float = 0.0

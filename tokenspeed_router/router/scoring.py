@@ -20,7 +20,7 @@ attributed to their best tier, and ``bs(w)`` is its block size. The first two
 terms are "queue + own prefill", the estimate the trace study in
 ``shared/traces/README.md`` found best on both Mooncake traces; without the
 queue term every request of the conversation trace (they all share block 0)
-lands on one worker. The default ``prefill_weight`` is 2: the simulator's runs
+lands on one worker. The default ``prefill_weight`` is 2.5: the simulator's runs
 on both traces showed that valuing a cached token above a queued one keeps a
 document's requests together and reaches the oracle's hit ratio.
 
@@ -136,7 +136,7 @@ class WorkerLoad:
 class CostWeights:
     """The weights of :func:`worker_cost` (see the module docstring); defaults as ``RouterConfig``."""
 
-    prefill_weight: float = 2.0
+    prefill_weight: float = 2.5
     queue_weight: float = 1.0
     decode_weight: float = 0.05
     request_weight: float = 0.0
