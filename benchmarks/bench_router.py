@@ -38,10 +38,10 @@ import time
 from typing import Any
 
 from tokenspeed_router.events.schema import BlockStored, KVEventBatch
-from tokenspeed_router.hashing import block_hashes
-from tokenspeed_router.router import IndexIngestor, KvIndex, Router, RouterConfig, WorkerState
+from tokenspeed_router.router import KvIndex, Router, RouterConfig
 from tokenspeed_router.router.bench_routing import IN_FLIGHT, POLICIES, time_routes
 from tokenspeed_router.router.bench_routing import percentile as pct
+from tokenspeed_router.router.trace_replay import TraceReplay, replay_trace
 
 BLOCK = 16
 SEED = 20261129
@@ -155,94 +155,14 @@ def run(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-TRACE_BLOCK = 512
-ENGINE_BLOCK = 16
-
-
-def replay_trace(
-    rows: list[dict[str, Any]],
-    config: RouterConfig,
-    *,
-    num_workers: int = 8,
-    prefill_tokens_per_s: float = 10_000.0,
-    tpot_s: float = 0.02,
-) -> dict[str, float]:
-    """Replay trace rows through the real Router/KvIndex/IndexIngestor on a virtual clock.
-
-    Each 512-token hash id becomes 512 deterministic tokens; workers keep an
-    unbounded prefix cache (16-token blocks), prefill FIFO at
-    ``prefill_tokens_per_s``, publish BlockStored when a prefill ends (the
-    router also hears the first token then) and finish after
-    ``output_length * tpot_s``. TTFT = queueing + own uncached prefill.
-    """
-    import heapq
-
-    clock = [0.0]
-    index = KvIndex()
-    router = Router(index, config, clock=lambda: clock[0])
-    ingestor = IndexIngestor(
-        index,
-        clock=lambda: clock[0],
-        on_state_change=lambda w, st: router.set_cold(w, st is not WorkerState.LIVE),
-    )
-    names = [f"w{i}" for i in range(num_workers)]
-    for name in names:
-        router.add_worker(name)
-    cached: dict[str, set[int]] = {n: set() for n in names}
-    free_at = dict.fromkeys(names, 0.0)
-    seqs = dict.fromkeys(names, 0)
-    work = dict.fromkeys(names, 0)
-    pending: list[tuple[float, int, int, Any]] = []
-    ttft: list[float] = []
-    hit_tokens = prompt_tokens = 0
-    for i, req in enumerate(rows):
-        arrival = req["timestamp"] / 1000.0
-        while pending and pending[0][0] <= arrival:
-            when, _, kind, payload = heapq.heappop(pending)
-            clock[0] = when
-            if kind == 0:
-                worker, rid, event = payload
-                if event is not None:
-                    ingestor.on_record(worker, seqs[worker], KVEventBatch(when, [event]), when)
-                    seqs[worker] += 1
-                router.mark_prefill_done(rid)
-            else:
-                router.release(payload)
-        clock[0] = arrival
-        tokens: list[int] = []
-        for h in req["hash_ids"]:
-            tokens.extend(range(h * TRACE_BLOCK + 1, (h + 1) * TRACE_BLOCK + 1))
-        tokens = tokens[: req["input_length"]]
-        d = router.route(tokens)
-        hashes = block_hashes(tokens, ENGINE_BLOCK)
-        have = cached[d.worker]
-        hit = 0
-        while hit < len(hashes) and hashes[hit] in have:
-            hit += 1
-        have.update(hashes)
-        uncached = len(tokens) - hit * ENGINE_BLOCK
-        done = max(arrival, free_at[d.worker]) + uncached / prefill_tokens_per_s
-        free_at[d.worker] = done
-        event = None
-        if hit < len(hashes):
-            event = BlockStored(
-                block_hashes=hashes[hit:],
-                parent_block_hash=hashes[hit - 1] if hit else None,
-                token_ids=tokens[hit * ENGINE_BLOCK : len(hashes) * ENGINE_BLOCK],
-                block_size=ENGINE_BLOCK,
-            )
-        heapq.heappush(pending, (done, 2 * i, 0, (d.worker, d.request_id, event)))
-        heapq.heappush(pending, (done + req["output_length"] * tpot_s, 2 * i + 1, 1, d.request_id))
-        work[d.worker] += uncached
-        hit_tokens += hit * ENGINE_BLOCK
-        prompt_tokens += len(tokens)
-        ttft.append(done - arrival)
+def summarise_replay(result: TraceReplay) -> dict[str, float]:
+    """The figures the policy table prints for one trace replay."""
     return {
-        "hit_ratio": hit_tokens / prompt_tokens,
-        "ttft_mean_s": statistics.mean(ttft),
-        "ttft_p50_s": pct(ttft, 50),
-        "ttft_p99_s": pct(ttft, 99),
-        "busiest_over_mean_work": max(work.values()) / (sum(work.values()) / num_workers),
+        "hit_ratio": result.hit_tokens / result.prompt_tokens,
+        "ttft_mean_s": statistics.mean(result.ttft_s),
+        "ttft_p50_s": pct(result.ttft_s, 50),
+        "ttft_p99_s": pct(result.ttft_s, 99),
+        "busiest_over_mean_work": result.busiest_over_mean_work(),
     }
 
 
@@ -270,7 +190,7 @@ def run_trace(trace: str, num_requests: int, num_workers: int) -> list[dict[str,
     for label, options in TRACE_POLICIES.items():
         config = RouterConfig(request_id_prefix="t", seed=SEED, **options)
         t0 = time.perf_counter()
-        res = replay_trace(rows, config, num_workers=num_workers)
+        res = summarise_replay(replay_trace(rows, config, num_workers=num_workers))
         res = {k: round(v, 3) for k, v in res.items()}
         out.append(
             {"trace": trace, "requests": len(rows), "workers": num_workers, "policy": label, **res}

@@ -12,25 +12,18 @@ an injected virtual clock (no sleeps).
 
 from __future__ import annotations
 
-import heapq
 import json
 import statistics
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support import traces_dir
 
-from tokenspeed_router.events.schema import BlockStored, KVEventBatch
-from tokenspeed_router.hashing import block_hashes
-from tokenspeed_router.router.index import KvIndex
-from tokenspeed_router.router.ingest import IndexIngestor, WorkerState
-from tokenspeed_router.router.router import Router, RouterConfig
+from tokenspeed_router.router.ingest import WorkerState
+from tokenspeed_router.router.router import RouterConfig
+from tokenspeed_router.router.trace_replay import TraceReplay, replay_trace
 
-TRACE_BLOCK = 512
-ENGINE_BLOCK = 16
 PREFILL_TOKENS_PER_S = 10_000.0
 TPOT_S = 0.02
 NUM_REQUESTS = 400
@@ -43,95 +36,12 @@ def load_trace(n: int) -> list[dict[str, Any]]:
         return [json.loads(line) for _, line in zip(range(n), f, strict=False)]
 
 
-def expand(hash_ids: list[int], input_length: int) -> list[int]:
-    """Deterministic tokens: block ``h`` is ``h*512+1 .. h*512+512`` (prefix ids stay prefixes)."""
-    tokens: list[int] = []
-    for h in hash_ids:
-        tokens.extend(range(h * TRACE_BLOCK + 1, h * TRACE_BLOCK + TRACE_BLOCK + 1))
-    return tokens[:input_length]
-
-
-@dataclass
-class Result:
-    requests: Counter[str] = field(default_factory=Counter)
-    work: Counter[str] = field(default_factory=Counter)
-    hit_tokens: int = 0
-    prompt_tokens: int = 0
-    ttft_s: list[float] = field(default_factory=list)
-
-    def busiest_over_mean_work(self) -> float:
-        return max(self.work.values()) / (sum(self.work.values()) / NUM_WORKERS)
-
-
-def replay(trace: list[dict[str, Any]], config: RouterConfig) -> Result:
-    clock = [0.0]
-    index = KvIndex()
-    router = Router(index, config, clock=lambda: clock[0])
-    ingestor = IndexIngestor(
-        index,
-        clock=lambda: clock[0],
-        on_state_change=lambda w, s: router.set_cold(w, s is not WorkerState.LIVE),
+def replay(trace: list[dict[str, Any]], config: RouterConfig) -> TraceReplay:
+    result = replay_trace(
+        trace, config, num_workers=NUM_WORKERS,
+        prefill_tokens_per_s=PREFILL_TOKENS_PER_S, tpot_s=TPOT_S,
     )
-    names = [f"w{i}" for i in range(NUM_WORKERS)]
-    for name in names:
-        router.add_worker(name)
-    cached: dict[str, set[int]] = {n: set() for n in names}
-    free_at = dict.fromkeys(names, 0.0)
-    seqs = dict.fromkeys(names, 0)
-    # (time, order, kind, payload): kind 0 = prefill done (+ events), 1 = request finished
-    pending: list[tuple[float, int, int, Any]] = []
-    order = 0
-    result = Result()
-
-    def advance(t: float) -> None:
-        while pending and pending[0][0] <= t:
-            when, _, kind, payload = heapq.heappop(pending)
-            clock[0] = when
-            if kind == 0:
-                worker, request_id, event = payload
-                if event is not None:
-                    ingestor.on_record(worker, seqs[worker], KVEventBatch(when, [event]), when)
-                    seqs[worker] += 1
-                router.mark_prefill_done(request_id)
-            else:
-                router.release(payload)
-        clock[0] = t
-
-    for req in trace:
-        arrival = req["timestamp"] / 1000.0
-        advance(arrival)
-        tokens = expand(req["hash_ids"], req["input_length"])
-        decision = router.route(tokens)
-        worker = decision.worker
-        hashes = block_hashes(tokens, ENGINE_BLOCK)
-        have = cached[worker]
-        hit = 0
-        while hit < len(hashes) and hashes[hit] in have:
-            hit += 1
-        have.update(hashes)
-        uncached = len(tokens) - hit * ENGINE_BLOCK
-        start = max(arrival, free_at[worker])
-        done = start + uncached / PREFILL_TOKENS_PER_S
-        free_at[worker] = done
-        event = None
-        if hit < len(hashes):
-            event = BlockStored(
-                block_hashes=hashes[hit:],
-                parent_block_hash=hashes[hit - 1] if hit else None,
-                token_ids=tokens[hit * ENGINE_BLOCK : len(hashes) * ENGINE_BLOCK],
-                block_size=ENGINE_BLOCK,
-            )
-        heapq.heappush(pending, (done, order, 0, (worker, decision.request_id, event)))
-        heapq.heappush(
-            pending, (done + req["output_length"] * TPOT_S, order + 1, 1, decision.request_id)
-        )
-        order += 2
-        result.requests[worker] += 1
-        result.work[worker] += uncached
-        result.hit_tokens += hit * ENGINE_BLOCK
-        result.prompt_tokens += len(tokens)
-        result.ttft_s.append(done - arrival)
-    assert all(st.state is WorkerState.LIVE for st in ingestor.statuses().values())
+    assert all(state is WorkerState.LIVE for state in result.worker_states.values())
     return result
 
 
@@ -143,7 +53,7 @@ def trace() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def default_result(trace) -> Result:  # type: ignore[no-untyped-def]
+def default_result(trace) -> TraceReplay:  # type: ignore[no-untyped-def]
     return replay(trace, RouterConfig(request_id_prefix="k"))
 
 
