@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 from support import captures_dir, free_tcp_port, traces_dir, wait_until
 
 
@@ -93,3 +94,14 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
     client.flushall()
     client.close()
     yield redis_server.url
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    """A ZeroMQ context per test, destroyed with linger 0 so no test waits on another's sockets.
+
+    (The Redis state tests override it with one that ``term()``s, to catch leaked sockets.)
+    """
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)

@@ -10,7 +10,6 @@ and replay from 0 brings back whatever the SUB missed before that.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -29,13 +28,6 @@ from tokenspeed_router.router import KvIndex
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
 PAGE_SIZE = 4
-
-
-@pytest.fixture
-def ctx() -> Iterator[Ctx]:
-    context: Ctx = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def workload(seed: int) -> list[list[int]]:

@@ -35,13 +35,6 @@ Ctx = zmq.Context[zmq.Socket[bytes]]
 LOOPBACK = "tcp://127.0.0.1:*"
 
 
-@pytest.fixture
-def ctx() -> Iterator[Ctx]:
-    context: Ctx = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 def _batch(i: int) -> KVEventBatch:
     return KVEventBatch(1000.0 + i, [BlockStored([i + 1], None, list(range(i, i + 16)), 16)], 0)
 

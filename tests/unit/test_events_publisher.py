@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -21,13 +20,6 @@ from tokenspeed_router.events.frames import END_SEQ, decode_seq, encode_seq
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
 LOOPBACK = "tcp://127.0.0.1:*"
-
-
-@pytest.fixture
-def ctx() -> Iterator[Ctx]:
-    context: Ctx = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def _batch(i: int = 0, rank: int | None = None) -> KVEventBatch:
