@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("tokenspeed_router.server.cli_inspect", "summarise an event log or a live router"),
     "simulate": ("tokenspeed_router.sim.cli_simulate", "trace-driven evaluation of routing policies"),
     "bench": ("tokenspeed_router.router.bench", "benchmark ingestion, matching and routing"),
+    "relay": ("tokenspeed_router.relay.cli_relay", "follow one engine's KV events, republish them with snapshots"),
 }
 
 

@@ -87,6 +87,7 @@ import zmq
 from tokenspeed_router.errors import WireError
 from tokenspeed_router.events._ratelimit import RateLimitedLog
 from tokenspeed_router.events.codec import BatchDecoder
+from tokenspeed_router.events.curve import CurveClientKeys
 from tokenspeed_router.events.frames import (
     END_SEQ,
     SEQ_BYTES,
@@ -322,6 +323,9 @@ def _loss_reason(seq: int, first_replayed: int | None, failure: str | None) -> s
 class EventSubscriber:
     """Follow one publisher; see the module docstring for the guarantees.
 
+    ``curve`` makes the SUB and replay DEALER sockets CURVE clients of a
+    publisher that is a CURVE server (the relay's ``--curve-*``).
+
     ``poll(timeout_s)`` waits up to ``timeout_s`` and returns the items ready
     (possibly none); ``process_ready()`` never waits. ``context`` is borrowed
     if given, otherwise created here and terminated by :meth:`close`.
@@ -338,6 +342,7 @@ class EventSubscriber:
         replay_timeout_s: float = 2.0,
         max_payload_bytes: int = 64 << 20,
         start_seq: int | None = None,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         if replay_timeout_s <= 0:
             raise ValueError(f"replay_timeout_s must be > 0, got {replay_timeout_s}")
@@ -351,6 +356,7 @@ class EventSubscriber:
         self._topic = topic.encode()
         self._replay_timeout_s = replay_timeout_s
         self._max_payload_bytes = max_payload_bytes
+        self._curve = curve
         self._owns_context = context is None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = context if context is not None else zmq.Context()
 
@@ -360,6 +366,8 @@ class EventSubscriber:
         if ipv6_endpoint(endpoint):
             self._sub.setsockopt(zmq.IPV6, 1)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        if curve is not None:
+            curve.apply(self._sub)
         self._sub.connect(endpoint)
         self._dealer: zmq.Socket[bytes] | None = None
 
@@ -758,6 +766,8 @@ class EventSubscriber:
             dealer.setsockopt(zmq.RCVHWM, 0)  # a full ring must never be cut short
             if ipv6_endpoint(self._replay_endpoint):
                 dealer.setsockopt(zmq.IPV6, 1)
+            if self._curve is not None:
+                self._curve.apply(dealer)
             dealer.connect(self._replay_endpoint)
             self._dealer = dealer
         return self._dealer

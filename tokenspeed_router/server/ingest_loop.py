@@ -215,6 +215,7 @@ class IngestLoop:
             replay_timeout_s=self._replay_timeout_s,
             max_payload_bytes=self._max_payload_bytes,
             start_seq=start_seq,
+            curve=spec.curve,
         )
         monitor: zmq.Socket[bytes] | None = None
         if not spec.events.startswith("inproc://"):
