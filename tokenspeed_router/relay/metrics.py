@@ -52,6 +52,10 @@ class RelayCollector(Collector):
             "snapshot_blocks": ("blocks in the state before the ring (a snapshot's size)", ring.base_blocks),
             "engine_connected": ("1 when the engine's PUB socket is connected", int(s.engine_connected)),
             "next_seq": ("the relay's next sequence number", s.next_seq),
+            "last_engine_seq": (
+                "seq of the last engine batch relayed (-1: none yet)",
+                -1 if s.last_engine_seq is None else s.last_engine_seq,
+            ),
             "last_snapshot_encode_seconds": ("time to dump and encode the last snapshot", ring.last_snapshot_encode_s),
             "curve_rejected_keys": ("distinct refused CURVE client keys", s.curve_rejected_keys),
         }
