@@ -71,9 +71,12 @@ class Engine:
 class RelayThread:
     """An EventRelay driven by its own thread (as the CLI does)."""
 
-    def __init__(self, ctx: Ctx, engine: Engine, **config: Any) -> None:
-        cfg = RelayConfig(engine=engine.publisher.endpoint, engine_replay=engine.publisher.replay_endpoint,
-                          publish=LOOPBACK, replay=LOOPBACK, **config)
+    def __init__(self, ctx: Ctx, source: Engine, **config: Any) -> None:
+        values: dict[str, Any] = {"engine": source.publisher.endpoint,
+                                  "engine_replay": source.publisher.replay_endpoint,
+                                  "publish": LOOPBACK, "replay": LOOPBACK}
+        values.update(config)
+        cfg = RelayConfig(**values)
         self.relay = EventRelay(cfg, context=ctx)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.relay.run, args=(self._stop, 0.01), daemon=True)

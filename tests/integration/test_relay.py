@@ -21,6 +21,7 @@ from relay_support import (
     handshake,
     workload,
 )
+from server_support import DropProxy
 from support import wait_until
 
 from tokenspeed_router.events import (
@@ -144,6 +145,38 @@ def test_engine_restart_is_republished_as_clear_then_rebuilt(ctx: Ctx) -> None:
     finally:
         view.close()
         relay.close()
+        engine.close()
+
+
+def test_unrecoverable_engine_gap_is_republished_as_clear(ctx: Ctx) -> None:
+    """No engine replay and a lost engine batch: the relay clears its routers, which then
+    never claim more than the engine holds, and are exact again after the engine's next reset."""
+    engine = Engine(ctx, buffer_steps=4)
+    proxy = DropProxy(engine.publisher.endpoint, set())
+    relay = RelayThread(ctx, engine, engine=proxy.endpoint, engine_replay=None, buffer_steps=1000)
+    view = RouterView(ctx, relay.relay.endpoint, relay.relay.replay_endpoint)
+    try:
+        handshake(engine, relay)
+        proxy.drop_seqs.add(engine.last_seq + 5)
+        prompts = workload(seed=12, n=30)
+        engine.run(prompts)
+        relay.wait_engine_seq(engine.last_seq)
+        view.wait_seq(relay.last_seq)
+        stats = relay.relay.statistics()
+        assert proxy.dropped and stats.resyncs == 1 and stats.gaps == 1
+        cleared = [x for x in view.items if isinstance(x, BatchReceived) and x.batch.events == [AllBlocksCleared()]]
+        assert len(cleared) == 1
+        for tokens in prompts:
+            assert view.score(tokens) <= engine.truth(tokens)
+        engine.cache.reset()
+        engine.run(again := workload(seed=13, n=20))
+        relay.wait_engine_seq(engine.last_seq)
+        view.wait_seq(relay.last_seq)
+        assert_same_as_engine(view, engine, again)
+    finally:
+        view.close()
+        relay.close()
+        proxy.close()
         engine.close()
 
 
