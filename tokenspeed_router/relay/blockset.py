@@ -16,8 +16,9 @@ so that a router fed the dump ends where a router fed every event ends:
   named; a block without tiers is gone; unknown ids are counted, not errors;
 * ``AllBlocksCleared`` empties one tier, or everything.
 
-:meth:`BlockSet.dump` writes ``AllBlocksCleared`` then one ``BlockStored``
-per block and tier, parents before children; a block whose parent is not in
+:meth:`BlockSet.dump` writes ``AllBlocksCleared`` then ``BlockStored``
+events, parents before children, a chain's consecutive blocks of one tier
+grouped into one event (up to 256 blocks); a block whose parent is not in
 the set (its chain was never complete here) is left out with its
 descendants, since a router would reject it as an unknown parent anyway.
 
@@ -51,6 +52,52 @@ class _Block:
     cache_salt: str | None
     media: dict[int, str | None]
     """tier code -> the medium string the engine used for it."""
+
+
+#: Blocks per dumped BlockStored: a chain goes out as one event per run of this
+#: many blocks (a router applies one multi-block event much faster than as
+#: many single-block ones).
+_RUN_BLOCKS = 256
+
+
+class _Run:
+    """Consecutive blocks of one chain, same tier and namespace: one BlockStored."""
+
+    __slots__ = ("first", "hashes", "medium", "tokens")
+
+    def __init__(self, h: BlockHash, b: _Block, medium: str | None) -> None:
+        self.first = b
+        self.medium = medium
+        self.hashes = [h]
+        self.tokens = list(b.token_ids)
+
+    def extends(self, h: BlockHash, b: _Block, medium: str | None) -> bool:
+        f = self.first
+        return (
+            b.parent == self.hashes[-1]
+            and medium == self.medium
+            and len(self.hashes) < _RUN_BLOCKS
+            and b.block_size == f.block_size
+            and (b.lora_id, b.lora_name, b.cache_salt) == (f.lora_id, f.lora_name, f.cache_salt)
+            # token ids: all present and the run so far made of full blocks, or all pre-hashed
+            and (
+                len(self.tokens) == len(self.hashes) * f.block_size and len(b.token_ids) > 0
+                if self.tokens
+                else not b.token_ids
+            )
+        )
+
+    def add(self, h: BlockHash, b: _Block) -> None:
+        self.hashes.append(h)
+        self.tokens.extend(b.token_ids)
+
+    def event(self) -> BlockStored:
+        f = self.first
+        return BlockStored(
+            block_hashes=self.hashes, parent_block_hash=f.parent, token_ids=self.tokens,
+            block_size=f.block_size, lora_id=f.lora_id, medium=self.medium,
+            lora_name=f.lora_name, cache_salt=f.cache_salt,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +186,7 @@ class BlockSet:
         """The whole set as events (see the module docstring)."""
         blocks = self._blocks
         events: list[Event] = [AllBlocksCleared()]
+        runs: list[_Run] = []
         done: set[BlockHash] = set()
         orphan: set[BlockHash] = set()
         for start in blocks:
@@ -158,12 +206,11 @@ class BlockSet:
             for h in reversed(chain):
                 b = blocks[h]
                 for medium in b.media.values():
-                    events.append(
-                        BlockStored(
-                            block_hashes=[h], parent_block_hash=b.parent, token_ids=b.token_ids,
-                            block_size=b.block_size, lora_id=b.lora_id, medium=medium,
-                            lora_name=b.lora_name, cache_salt=b.cache_salt,
-                        )
-                    )
+                    run = runs[-1] if runs else None
+                    if run is not None and run.extends(h, b, medium):
+                        run.add(h, b)
+                    else:
+                        runs.append(_Run(h, b, medium))
                 done.add(h)
+        events.extend(run.event() for run in runs)
         return BlockSetDump(events, len(done), len(orphan))
