@@ -79,7 +79,7 @@ def test_snapshot_reply_is_wire_compatible(ctx: Ctx) -> None:
     """A raw DEALER asking from seq 0: [b'', topic, seq, payload] frames, consecutive
     seqs ending at the relay's last one, AllBlocksCleared first, then the end marker."""
     engine = Engine(ctx, buffer_steps=4)
-    relay = RelayThread(ctx, engine, buffer_steps=4, snapshot_events_per_batch=16)
+    relay = RelayThread(ctx, engine, buffer_steps=4, snapshot_blocks_per_batch=16)
     dealer = ctx.socket(zmq.DEALER)
     dealer.linger = 0
     try:
@@ -104,7 +104,7 @@ def test_snapshot_reply_is_wire_compatible(ctx: Ctx) -> None:
         batches = [decode_batch(f[3]) for f in frames_list]
         assert isinstance(batches[0].events[0], AllBlocksCleared)
         snapshot_len = len(seqs) - 4
-        assert snapshot_len > 1, "16 events per batch: the snapshot spans several batches"
+        assert snapshot_len > 1, "16 blocks per batch: the snapshot spans several batches"
         stored = [e for b in batches[:snapshot_len] for e in b.events if isinstance(e, BlockStored)]
         known: set[object] = set()
         for ev in stored:  # parents before children

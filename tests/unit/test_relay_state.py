@@ -160,7 +160,7 @@ def test_hasher_sends_content_hashes_and_drops_what_it_cannot_hash() -> None:
 
 
 def test_ring_serves_tail_or_snapshot_numbered_below_it() -> None:
-    ring = SnapshotRing(3, events_per_batch=2)
+    ring = SnapshotRing(3, blocks_per_batch=2)
     for seq in range(10):
         ev = BlockStored(block_hashes=[seq + 1], parent_block_hash=None, token_ids=[seq] * BS, block_size=BS)
         batch = KVEventBatch(float(seq), [ev])

@@ -86,15 +86,16 @@ class RelayConfig:
     curve_allow: tuple[str, ...] = ()
     """Public certificate files of the routers allowed to connect."""
     replay_timeout_s: float = 2.0
-    snapshot_events_per_batch: int = 4096
+    snapshot_blocks_per_batch: int = 16_384
+    """Blocks per snapshot batch (about 1 MiB with 16-token blocks)."""
 
     def __post_init__(self) -> None:
         if self.buffer_steps < 1:
             raise ConfigError(f"buffer_steps must be >= 1, got {self.buffer_steps}")
         if self.wire_format not in ("map", "array"):
             raise ConfigError(f"wire_format must be 'map' or 'array', got {self.wire_format!r}")
-        if self.snapshot_events_per_batch < 1:
-            raise ConfigError("snapshot_events_per_batch must be >= 1")
+        if self.snapshot_blocks_per_batch < 1:
+            raise ConfigError("snapshot_blocks_per_batch must be >= 1")
         if self.replay_timeout_s <= 0:
             raise ConfigError("replay_timeout_s must be > 0")
         if self.curve_allow and self.curve_secret_key is None:
@@ -161,7 +162,7 @@ class EventRelay:
             self._ring = SnapshotRing(
                 config.buffer_steps,
                 wire_format=config.wire_format,
-                events_per_batch=config.snapshot_events_per_batch,
+                blocks_per_batch=config.snapshot_blocks_per_batch,
             )
             self._publisher = ZmqEventPublisher(
                 config.publish,

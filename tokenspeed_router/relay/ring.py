@@ -14,8 +14,11 @@ The snapshot starts with ``AllBlocksCleared`` and stores every block parents
 first, so whatever the router held before, it ends with the engine's block
 set as of seq N-1. The numbering keeps the reply wire compatible: a router's
 subscriber merges replayed batches by seq like any other replay. When
-``R - s`` is smaller than the snapshot's natural batch count, the snapshot is
-packed into ``R - s`` larger batches (every seq must be ``>= s``). If the
+``R - s`` is smaller than the snapshot's natural batch count (about
+``blocks_per_batch`` blocks each), the snapshot is packed into ``R - s``
+larger batches (every seq must be ``>= s``; a batch over 32 MiB is logged,
+since a router drops payloads above its ``max_payload_bytes``, 64 MiB by
+default). If the
 snapshot does not reach back to ``s`` (``R - K > s``) the router sees seqs
 ``[s, R-K)`` as lost: a router that just joined ignores that (history before
 its subscription); one that was following reports a resync and is made exact
@@ -33,16 +36,22 @@ the relay's next batch by that long (figures in docs/relay.md).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from tokenspeed_router.events.codec import WireFormat, encode_batch
-from tokenspeed_router.events.schema import Event, KVEventBatch
+from tokenspeed_router.events.schema import BlockStored, Event, KVEventBatch
 from tokenspeed_router.relay.blockset import BlockSet
 
 __all__ = ["RingStatistics", "SnapshotRing"]
+
+logger = logging.getLogger(__name__)
+
+#: The router's default max_payload_bytes is 64 MiB: warn well before.
+_LARGE_PAYLOAD_BYTES = 32 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,16 +76,16 @@ class SnapshotRing:
         capacity: int,
         *,
         wire_format: WireFormat = "map",
-        events_per_batch: int = 4096,
+        blocks_per_batch: int = 16_384,
         data_parallel_rank: int | None = 0,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
-        if events_per_batch < 1:
-            raise ValueError(f"events_per_batch must be >= 1, got {events_per_batch}")
+        if blocks_per_batch < 1:
+            raise ValueError(f"blocks_per_batch must be >= 1, got {blocks_per_batch}")
         self._capacity = capacity
         self._wire_format: WireFormat = wire_format
-        self._events_per_batch = events_per_batch
+        self._blocks_per_batch = blocks_per_batch
         self._dp_rank = data_parallel_rank
         self._lock = threading.Lock()
         self._ring: deque[tuple[int, bytes, KVEventBatch]] = deque()
@@ -141,19 +150,47 @@ class SnapshotRing:
             return cached[1]
         t0 = time.perf_counter()
         dump = self._base.dump()
-        events = dump.events
-        per_batch = max(self._events_per_batch, -(-len(events) // slots))
+        groups = _group(dump.events, self._blocks_per_batch)
+        natural = len(groups) <= slots
+        if not natural:  # fewer seqs free than batches: fewer, larger batches
+            total = sum(_weight(e) for e in dump.events)
+            groups = _group(dump.events, -(-total // slots), max_groups=slots)
         now = time.time()
-        payloads = [
-            encode_batch(self._batch(now, events[i : i + per_batch]), self._wire_format)
-            for i in range(0, len(events), per_batch)
-        ]
+        payloads = [encode_batch(self._batch(now, g), self._wire_format) for g in groups]
         self._last_blocks = dump.blocks
         self._last_orphans = dump.orphans
         self._last_encode_s = time.perf_counter() - t0
-        if per_batch == self._events_per_batch:
+        if natural:
             self._cache = (self._version, payloads)
+        largest = max(len(p) for p in payloads)
+        if largest > _LARGE_PAYLOAD_BYTES:
+            logger.warning(
+                "relay snapshot: a batch of %d bytes (%d blocks in %d seqs); routers must accept "
+                "payloads this large (their max_payload_bytes)", largest, dump.blocks, len(payloads),
+            )
         return payloads
 
     def _batch(self, ts: float, events: list[Event]) -> KVEventBatch:
         return KVEventBatch(ts, events, self._dp_rank)
+
+
+def _weight(event: Event) -> int:
+    return len(event.block_hashes) if isinstance(event, BlockStored) else 1
+
+
+def _group(events: list[Event], blocks_per_batch: int, max_groups: int | None = None) -> list[list[Event]]:
+    """Consecutive events in groups of about ``blocks_per_batch`` blocks (never
+    more than ``max_groups`` groups: the last one takes the rest)."""
+    groups: list[list[Event]] = []
+    current: list[Event] = []
+    weight = 0
+    for event in events:
+        w = _weight(event)
+        if current and weight + w > blocks_per_batch and (max_groups is None or len(groups) < max_groups - 1):
+            groups.append(current)
+            current, weight = [], 0
+        current.append(event)
+        weight += w
+    if current:
+        groups.append(current)
+    return groups
