@@ -35,9 +35,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -134,8 +133,7 @@ class RelayStatistics:
     curve_rejected: int
     curve_rejected_keys: int
     hasher: HasherStatistics | None
-    publish_errors: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    publish_errors: int
 
 
 class EventRelay:
@@ -145,6 +143,19 @@ class EventRelay:
         self, config: RelayConfig, *, context: zmq.Context[zmq.Socket[bytes]] | None = None
     ) -> None:
         self.config = config
+        self._closed = False
+        self._lock = threading.Lock()  # guards the counters read by statistics()
+        self._hasher = ContentHasher() if config.hashes_only else None
+        self._connected = False
+        self._batches_in = 0
+        self._batches_out = 0
+        self._events_in = 0
+        self._events_out = 0
+        self._restarts = 0
+        self._resyncs = 0
+        self._publish_errors = 0
+        self._last_engine_seq: int | None = None
+        self._lost_output = False  # a batch could not be published: clear before the next
         self._owns_context = context is None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = context if context is not None else zmq.Context()
         self._allow: CurveAllowList | None = None
@@ -187,19 +198,6 @@ class EventRelay:
         except BaseException:
             self.close()
             raise
-        self._hasher = ContentHasher() if config.hashes_only else None
-        self._connected = False
-        self._lock = threading.Lock()  # guards the counters read by statistics()
-        self._batches_in = 0
-        self._batches_out = 0
-        self._events_in = 0
-        self._events_out = 0
-        self._restarts = 0
-        self._resyncs = 0
-        self._publish_errors = 0
-        self._last_engine_seq: int | None = None
-        self._lost_output = False  # a batch could not be published: clear before the next
-        self._closed = False
         logger.info(
             "relay engine=%s engine_replay=%s -> publish=%s replay=%s hashes_only=%s curve=%s",
             config.engine, config.engine_replay, self.endpoint, self.replay_endpoint,
@@ -261,7 +259,7 @@ class EventRelay:
 
     def close(self) -> None:
         """Close everything (idempotent); queued batches are sent first."""
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
         if self._monitor is not None and self._subscriber is not None:
