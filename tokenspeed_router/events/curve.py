@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,7 @@ class CurveServerKeys:
     """The key pair of a CURVE server (the relay's PUB and replay ROUTER)."""
 
     public_key: bytes
-    secret_key: bytes
+    secret_key: bytes = field(repr=False)  # never in logs
 
     @classmethod
     def from_file(cls, secret_file: str | os.PathLike[str]) -> CurveServerKeys:
@@ -100,7 +100,7 @@ class CurveClientKeys:
 
     server_key: bytes
     public_key: bytes
-    secret_key: bytes
+    secret_key: bytes = field(repr=False)  # never in logs
 
     @classmethod
     def from_files(
