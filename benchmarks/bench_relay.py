@@ -17,7 +17,12 @@ state; then:
 * ``join_full_replay`` (the baseline): the same router joining a plain
   publisher whose ring still holds the entire history (what a router would
   need without a relay: an engine ring as large as the history, which stock
-  engines do not keep).
+  engines do not keep);
+* ``hash_blocks_per_s``: ``--hashes-only`` rewriting (content hash per block);
+* ``relayed_batches_per_s`` vs ``direct_batches_per_s``: the history streamed
+  by an engine publisher to a subscriber through a running ``EventRelay``
+  (plain, and ``--hashes-only``), against the same subscriber on the engine
+  directly, as a ratio.
 
 Timings on a shared machine are noisy: read ``join_snapshot`` as a ratio to
 ``join_full_replay`` measured in the same run.
@@ -29,6 +34,7 @@ import argparse
 import json
 import random
 import sys
+import threading
 import time
 from typing import Any
 
@@ -36,7 +42,7 @@ import zmq
 
 from tokenspeed_router.events import EventSubscriber, KVEventBatch, ZmqEventPublisher, encode_batch
 from tokenspeed_router.events.schema import BlockStored
-from tokenspeed_router.relay import BlockSet, SnapshotRing
+from tokenspeed_router.relay import BlockSet, ContentHasher, EventRelay, RelayConfig, SnapshotRing
 from tokenspeed_router.router import KvIndex
 from tokenspeed_router.router.ingest import IndexIngestor
 
@@ -73,6 +79,48 @@ def join(ctx: zmq.Context[Any], pub: ZmqEventPublisher, expected_blocks: int, ti
         return time.perf_counter() - t0
     finally:
         sub.close()
+
+
+def stream(ctx: zmq.Context[Any], batches: list[KVEventBatch], relay: bool | None) -> float:
+    """Batches/s from the first publish to the subscriber's last delivery (relay None: direct)."""
+    with ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", context=ctx,
+                           buffer_steps=len(batches) + 10) as engine:
+        relayed: EventRelay | None = None
+        stop = threading.Event()
+        thread = None
+        source = engine
+        if relay is not None:
+            relayed = EventRelay(RelayConfig(engine=engine.endpoint, engine_replay=engine.replay_endpoint,
+                                             publish="tcp://127.0.0.1:*", replay="tcp://127.0.0.1:*",
+                                             buffer_steps=1000, hashes_only=relay), context=ctx)
+            thread = threading.Thread(target=relayed.run, args=(stop, 0.01), daemon=True)
+            thread.start()
+        endpoint = relayed.endpoint if relayed is not None else engine.endpoint
+        replay = relayed.replay_endpoint if relayed is not None else engine.replay_endpoint
+        sub = EventSubscriber("w", endpoint, replay_endpoint=replay, context=ctx, replay_timeout_s=60.0)
+        try:
+            engine.publish(KVEventBatch(time.time(), []))  # seq 0: a handshake through every hop
+            got = 0
+            while got == 0:
+                got += sum(1 for _ in sub.poll(0.05))
+                if got == 0 and source.statistics().next_seq < 50:
+                    engine.publish(KVEventBatch(time.time(), []))
+            target = sub.last_seq
+            assert target is not None
+            t0 = time.perf_counter()
+            for b in batches:
+                engine.publish(b)
+            last = target + len(batches)
+            while sub.last_seq is None or sub.last_seq < last:
+                sub.poll(0.05)
+            return len(batches) / (time.perf_counter() - t0)
+        finally:
+            sub.close()
+            stop.set()
+            if thread is not None:
+                thread.join(10)
+            if relayed is not None:
+                relayed.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +161,15 @@ def main(argv: list[str] | None = None) -> int:
             plain.publish(b)
         plain.wait_sent(60)
         out["join_full_replay_s"] = round(join(ctx, plain, blocks), 3)
+    hasher = ContentHasher()
+    t0 = time.perf_counter()
+    for b in batches:
+        hasher.translate(b)
+    out["hash_blocks_per_s"] = round(blocks / (time.perf_counter() - t0))
+    out["direct_batches_per_s"] = round(stream(ctx, batches, relay=None))
+    out["relayed_batches_per_s"] = round(stream(ctx, batches, relay=False))
+    out["relayed_hashes_only_batches_per_s"] = round(stream(ctx, batches, relay=True))
+    out["relayed_vs_direct"] = round(out["relayed_batches_per_s"] / out["direct_batches_per_s"], 2)
     ctx.term()
     out["join_snapshot_vs_full_replay"] = round(out["join_snapshot_s"] / out["join_full_replay_s"], 2)
     text = json.dumps(out, indent=2)

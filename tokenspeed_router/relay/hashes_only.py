@@ -50,11 +50,10 @@ from tokenspeed_router.router.tiers import medium_code
 __all__ = ["ContentHasher", "HasherStatistics"]
 
 
-@dataclass(slots=True)
-class _Entry:
-    content: int | None
-    """The content hash sent for this engine block; None: not sent (partial or unhashable)."""
-    tiers: set[int]
+#: Per engine block: ``(content hash sent or None, tier bits held)``. A flat
+#: tuple of atomic values, which Python's cyclic GC stops tracking (see
+#: blockset.py); content None: not sent (partial or unhashable).
+_Entry = tuple[int | None, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,21 +128,21 @@ class ContentHasher:
                 self._unhashable += n
                 sendable = False
                 seed = 0
-            elif known.content is None:
+            elif known[0] is None:
                 sendable = False
                 seed = 0
             else:
-                seed = parent_content = known.content
+                seed = parent_content = known[0]
         contents: list[int] = block_hashes(toks, bs, parent=seed) if sendable else []
         sent: list[int] = []
         for i, h in enumerate(hashes):
             content = contents[i] if i < len(contents) else None
             entry = self._blocks.get(h)
             if entry is None:
-                self._blocks[h] = _Entry(content, {code})
+                self._blocks[h] = (content, code)
             else:
-                entry.tiers.add(code)
-                content = entry.content if entry.content == content else None
+                self._blocks[h] = (entry[0], entry[1] | code)
+                content = entry[0] if entry[0] == content else None
             if content is None:
                 if sendable:
                     self._unsent += 1
@@ -166,11 +165,12 @@ class ContentHasher:
             entry = blocks.get(h)
             if entry is None:
                 continue
-            if entry.content is not None:
-                contents.append(entry.content)
+            if entry[0] is not None:
+                contents.append(entry[0])
             if code is not None:
-                entry.tiers.discard(code)
-                if entry.tiers:
+                tiers = entry[1] & ~code
+                if tiers:
+                    blocks[h] = (entry[0], tiers)
                     continue
             del blocks[h]
         if not contents:
@@ -182,10 +182,10 @@ class ContentHasher:
             self._blocks.clear()
             return
         code = medium_code(medium)
-        gone = []
-        for h, entry in self._blocks.items():
-            entry.tiers.discard(code)
-            if not entry.tiers:
-                gone.append(h)
-        for h in gone:
-            del self._blocks[h]
+        blocks = self._blocks
+        for h, (content, tiers) in list(blocks.items()):
+            if tiers & code:
+                if tiers & ~code:
+                    blocks[h] = (content, tiers & ~code)
+                else:
+                    del blocks[h]
