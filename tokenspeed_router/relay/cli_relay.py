@@ -74,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
     if args.replay_timeout_s is not None and not args.replay_timeout_s > 0:
         raise ConfigError(f"--replay-timeout-s must be positive, got {args.replay_timeout_s}")
     metrics_at = parse_host_port(args.metrics, what="--metrics") if args.metrics else None
+    if not args.curve_secret_key and not _loopback_only(args.publish, args.replay):
+        logger.warning(
+            "relay: binding beyond loopback without --curve-secret-key: any host can subscribe%s",
+            "" if args.hashes_only else " and read prompts' token ids (consider --hashes-only)",
+        )
     config = RelayConfig(
         engine=args.engine,
         engine_replay=args.engine_replay or None,
@@ -115,3 +120,15 @@ def run(args: argparse.Namespace) -> int:
     )
     sys.stdout.flush()
     return 0
+
+
+def _loopback_only(*endpoints: str) -> bool:
+    from tokenspeed_router.server.config import is_loopback_host
+
+    for endpoint in endpoints:
+        if endpoint.startswith(("ipc://", "inproc://")):
+            continue
+        host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+        if not is_loopback_host(host):
+            return False
+    return True
