@@ -252,3 +252,41 @@ def test_models_health_metrics(sim: EngineSim) -> None:
     m = sim.metrics()
     assert m["vllm:num_requests_running"] == 0 and m["tokenspeed_engine_sim_prompt_tokens_total"] == 20
     assert 0 < m["tokenspeed_engine_sim_cache_usage_ratio"] < 1
+
+
+def test_client_disconnect_frees_the_request(tmp_path: Path) -> None:
+    # Modelled time: 1000 decode steps of 20 ms, so the stream is still running when we leave.
+    with EngineSim(tmp_path, ["--time-scale", "1"]).start() as engine:
+        body = {"prompt": words(1, 40), "max_tokens": 1000, "stream": True}
+        with engine.http.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line).startswith("data: ")
+        wait_until(lambda: engine.metrics()["tokenspeed_engine_sim_aborted_requests_total"] == 1,
+                   timeout_s=30, what="the aborted request to be freed")
+        m = engine.metrics()
+        assert m["tokenspeed_engine_sim_requests_running"] == 0
+        # Its prompt blocks stay cached and unlocked: the same prompt hits them.
+        again = engine.complete(words(1, 40), max_tokens=1)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+def test_dp_ranks_publish_on_their_own_endpoints(tmp_path: Path) -> None:
+    with EngineSim(tmp_path, ["--instant", "--dp-ranks", "2"]).start() as engine:
+        assert len(engine.info["events"]) == 2 and len(set(engine.info["events"])) == 2
+        sub = EventSubscriber("w", engine.info["events"][1], replay_endpoint=engine.info["replay"][1],
+                              start_seq=0)
+        try:
+            prompt = list(range(3000, 3040))
+            resp = engine.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1},
+                                    headers={"x-data-parallel-rank": "1"})
+            assert resp.status_code == 200
+            seen: list[BatchReceived] = []
+
+            def stored() -> bool:
+                seen.extend(x for x in sub.poll(0.05) if isinstance(x, BatchReceived))
+                return any(isinstance(e, BlockStored) for b in seen for e in b.batch.events)
+
+            wait_until(stored, timeout_s=30, what="rank 1's BlockStored")
+            assert {b.batch.data_parallel_rank for b in seen} == {1}
+        finally:
+            sub.close()
