@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from tokenspeed_router.cache import PrefixCache
-from tokenspeed_router.engine_sim import NUMBER_LIMIT, EventOutlet, OutletConfig, SimTokenizer, TimingModel
+from tokenspeed_router.engine_sim import (
+    NUMBER_LIMIT,
+    EventOutlet,
+    OutletConfig,
+    SimTokenizer,
+    TimingModel,
+)
 from tokenspeed_router.errors import ConfigError
 
 
