@@ -17,9 +17,10 @@ from tokenspeed_router.router import KvIndex
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture
-def sim(tmp_path: Path) -> Iterator[EngineSim]:
-    with EngineSim(tmp_path, ["--instant", "--name", "sim-a"]).start() as engine:
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSim]:
+    """One instant engine shared by the tests that do not depend on a fresh cache (distinct prompts)."""
+    with EngineSim(tmp_path_factory.mktemp("sim"), ["--instant", "--name", "sim-a"]).start() as engine:
         yield engine
 
 
@@ -46,7 +47,7 @@ class Follower:
 
 
 def test_completion_stream_chunk_by_chunk(sim: EngineSim) -> None:
-    body = {"prompt": words(1, 40), "max_tokens": 4, "stream": True,
+    body = {"prompt": words(2_000_000, 40), "max_tokens": 4, "stream": True,
             "stream_options": {"include_usage": True}}
     chunks = list(sim.stream("/v1/completions", body))
     assert chunks[-1] == "[DONE]"
@@ -84,6 +85,7 @@ def test_chat_stream_and_full_answer(sim: EngineSim) -> None:
 
 
 def test_cached_tokens_grow_on_a_repeated_prompt(sim: EngineSim) -> None:
+    before = sim.metrics()
     first = sim.complete(words(1000, 40))["usage"]
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
     again = sim.complete(words(1000, 40))["usage"]
@@ -96,8 +98,9 @@ def test_cached_tokens_grow_on_a_repeated_prompt(sim: EngineSim) -> None:
     assert sim.complete([ids])["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
     assert sim.complete([words(1000, 70)])["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
     m = sim.metrics()
-    assert m["tokenspeed_engine_sim_cached_prompt_tokens_total"] == 32 + 32 + 64 * 3
-    assert m["tokenspeed_engine_sim_requests_total"] == 6
+    assert m["tokenspeed_engine_sim_cached_prompt_tokens_total"] - before[
+        "tokenspeed_engine_sim_cached_prompt_tokens_total"] == 32 + 32 + 64 * 3
+    assert m["tokenspeed_engine_sim_requests_total"] - before["tokenspeed_engine_sim_requests_total"] == 6
 
 
 def test_kv_events_rebuild_what_the_engine_caches(tmp_path: Path) -> None:
@@ -248,9 +251,11 @@ def test_models_health_metrics(sim: EngineSim) -> None:
     models = sim.http.get("/v1/models").json()
     assert models["data"][0]["id"] == "tokenspeed-sim"
     assert sim.http.get("/health").status_code == 200
-    sim.complete(words(1, 20))
+    before = sim.metrics()["tokenspeed_engine_sim_prompt_tokens_total"]
+    sim.complete(words(5_000_000, 20))
     m = sim.metrics()
-    assert m["vllm:num_requests_running"] == 0 and m["tokenspeed_engine_sim_prompt_tokens_total"] == 20
+    assert m["vllm:num_requests_running"] == 0
+    assert m["tokenspeed_engine_sim_prompt_tokens_total"] - before == 20
     assert 0 < m["tokenspeed_engine_sim_cache_usage_ratio"] < 1
 
 

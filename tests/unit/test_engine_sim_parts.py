@@ -45,6 +45,7 @@ def test_drop_fault_drops_batches_before_numbering() -> None:
         outlet.attach(cache, 64 * 16)
         for i in range(40):
             cache.admit(list(range(i * 1000, i * 1000 + 48)))
+            outlet.flush(cache)  # the engine flushes once per step
         stats = outlet.publisher.statistics()
         attempted = stats.published + outlet.num_dropped
         assert attempted >= 41  # AllBlocksCleared + one batch per admit (+ evictions)

@@ -18,7 +18,8 @@ its output queue. Per step (see :mod:`.timing` for durations):
    (``cache_unfinished_req``, which publishes ``BlockStored``; the request
    keeps its lock) and its first token is emitted; when it has
    ``max_tokens`` tokens it is finished (``cache_finished_req`` releases the
-   lock). Only prompt tokens are cached, not generated ones.
+   lock). Only prompt tokens are cached, not generated ones. The step's
+   events go out as one batch at its end.
 
 P/D (DESIGN §10): a ``prefill_only`` request stops after its first token and
 reports its block ids; a ``remote_prefill`` request counts its prompt as
@@ -223,6 +224,7 @@ class Engine:
         if not decoding and not chunks:
             # Everything waits on pages held by nobody running: cannot happen
             # (admission runs a lone request), but never spin.
+            self.outlet.flush(self.cache)
             self._wake.clear()
             await self._wake.wait()
             return
@@ -237,6 +239,7 @@ class Engine:
                 self._prefill_done(r)
                 self._emit_token(r)
         self._finish_done()
+        self.outlet.flush(self.cache)
         self._maybe_restart()
 
     def _admit(self) -> None:
@@ -317,6 +320,7 @@ class Engine:
         if limit is None or self._restarted or self._finished < limit:
             return
         self._restarted = True
+        self.outlet.flush(self.cache)
         self.cache.detach_publisher()
         self.outlet.restart()
         self.cache = self._new_cache()

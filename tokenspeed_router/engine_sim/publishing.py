@@ -2,7 +2,9 @@
 
 * Normal: the engine's :class:`~tokenspeed_router.cache.PrefixCache` is
   attached to a :class:`ZmqEventPublisher` (map or array wire format, DP rank
-  on ``port + rank``); one batch per cache operation, as the cache publishes.
+  on ``port + rank``). Events are held until :meth:`EventOutlet.flush`, which
+  the engine calls once per scheduler step: one batch per step, as vLLM
+  publishes (and one publisher wake-up per step rather than per operation).
 * ``drop_ratio`` (``--fault-drop-events``): that fraction of batches is thrown
   away *before* the publisher numbers them (deterministic RNG), so the seq
   stays contiguous and a subscriber cannot see the loss — events lost inside
@@ -29,6 +31,9 @@ from tokenspeed_router.events.publisher import ZmqEventPublisher
 from tokenspeed_router.events.schema import KVEventBatch
 
 __all__ = ["EventOutlet", "OutletConfig"]
+
+#: flush_every for attached caches: never flush by count, only through EventOutlet.flush.
+_HOLD = 1 << 62
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +99,14 @@ class EventOutlet:
         bs = self.config.publish_block_size
         if bs is None or bs == cache.page_size:
             self._shadow = None
-            cache.attach_publisher(sink)
+            cache.attach_publisher(sink, flush_every=_HOLD)
             return
         self._shadow = PrefixCache.with_capacity(max(1, capacity_tokens // bs), page_size=bs)
-        self._shadow.attach_publisher(sink)
+        self._shadow.attach_publisher(sink, flush_every=_HOLD)
+
+    def flush(self, cache: PrefixCache) -> None:
+        """Publish what ``cache`` (or the shadow) queued since the last flush, as one batch."""
+        (self._shadow if self._shadow is not None else cache).flush_events()
 
     def prompt_cached(self, tokens: list[int]) -> None:
         """The real cache just cached ``tokens``: the shadow (block-size fault) caches them too."""
