@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("tokenspeed_router.sim.cli_simulate", "trace-driven evaluation of routing policies"),
     "bench": ("tokenspeed_router.router.bench", "benchmark ingestion, matching and routing"),
     "relay": ("tokenspeed_router.relay.cli_relay", "follow one engine's KV events, republish them with snapshots"),
+    "engine-sim": (
+        "tokenspeed_router.engine_sim.cli_engine_sim",
+        "a simulated vLLM engine: OpenAI API, real prefix cache, real KV events",
+    ),
 }
 
 
