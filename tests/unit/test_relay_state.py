@@ -14,6 +14,7 @@ from tokenspeed_router.events import (
     Event,
     KVEventBatch,
     decode_batch,
+    encode_batch,
 )
 from tokenspeed_router.hashing import block_hashes
 from tokenspeed_router.relay import BlockSet, ContentHasher, SnapshotRing
@@ -181,3 +182,37 @@ def test_ring_serves_tail_or_snapshot_numbered_below_it() -> None:
     assert (stats.snapshots_served, stats.base_blocks, stats.first_seq) == (3, 7, 7)
     with pytest.raises(ValueError):
         ring.append(11, b"", KVEventBatch(0.0, []))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_router_at_any_seq_ends_exact_after_asking_the_ring(seed: int) -> None:
+    """Whatever a router applied before (seqs [0, s)), applying the ring's answer for s
+    -- a snapshot when s is older than the ring, a hole meaning "clear first" --
+    leaves it equal to a router that applied the whole stream."""
+    model = _EngineModel(seed)
+    rng = random.Random(seed)
+    capacity = rng.randint(1, 20)
+    ring = SnapshotRing(capacity, blocks_per_batch=rng.randint(1, 8))
+    stream: list[KVEventBatch] = []
+    full = KvIndex()
+    for seq in range(rng.randint(30, 120)):
+        batch = KVEventBatch(float(seq), [model.step() for _ in range(rng.randint(1, 3))])
+        stream.append(batch)
+        full.apply("w", batch)
+        ring.append(seq, encode_batch(batch), batch)
+    for start in sorted({0, 1, len(stream) - capacity - 1, len(stream) - 1, *rng.sample(range(len(stream)), 5)}):
+        if start < 0:
+            continue
+        router = KvIndex()
+        for batch in stream[:start]:
+            router.apply("w", batch)
+        answer = ring.replay_from(start)
+        if answer and answer[0][0] > start:
+            router.clear_worker("w")  # the subscriber reports the hole; the ingestor clears
+        assert [s for s, _ in answer] == list(range(answer[0][0], len(stream)))
+        for _, payload in answer:
+            router.apply("w", decode_batch(payload))
+        assert router.num_blocks("w") == full.num_blocks("w"), start
+        assert router.blocks_by_tier("w") == full.blocks_by_tier("w")
+        for tokens in model.chains():
+            assert router.match_detail(tokens) == full.match_detail(tokens)
