@@ -15,24 +15,31 @@ T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def shared_dir() -> Path:
-    """The project's shared/ folder (beside the checkout), or $TOKENSPEED_SHARED."""
+DATA_DIR = REPO_ROOT / "tests" / "data"
+
+
+def data_dir() -> Path:
+    """The test data folder: ``tests/data`` in the checkout, or ``$TOKENSPEED_SHARED``.
+
+    The override lets the same tests run against another copy with the same
+    layout (``captures/``, ``traces/mooncake/``), e.g. the whole Mooncake traces.
+    """
     env = os.environ.get("TOKENSPEED_SHARED")
-    path = Path(env) if env else REPO_ROOT.parent / "shared"
+    path = Path(env) if env else DATA_DIR
     if not (path / "captures").is_dir():
         raise RuntimeError(
-            f"shared/ not found at {path}: golden tests need ../shared/captures "
-            "(set TOKENSPEED_SHARED to its location)"
+            f"test data not found at {path}: expected {path / 'captures'} "
+            "(unset TOKENSPEED_SHARED to use the copy in tests/data)"
         )
     return path
 
 
 def captures_dir() -> Path:
-    return shared_dir() / "captures"
+    return data_dir() / "captures"
 
 
 def traces_dir() -> Path:
-    return shared_dir() / "traces"
+    return data_dir() / "traces"
 
 
 def wait_until(
