@@ -29,6 +29,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("tokenspeed_router.router.bench", "benchmark ingestion, matching and routing"),
 }
 
+#: commands that run real PrefixCaches and therefore need the ``torch`` extra;
+#: every other command works from the router-only install (``pip install .``)
+NEEDS_TORCH: frozenset[str] = frozenset({"demo", "simulate", "engine-sim"})
+
+TORCH_HINT = (
+    "needs torch: pip install 'tokenspeed-router[torch]' "
+    "(CPU build: --extra-index-url https://download.pytorch.org/whl/cpu; see docs/install.md)"
+)
+
+
+def _is_missing_torch(err: ModuleNotFoundError) -> bool:
+    return (err.name or "").partition(".")[0] == "torch"
+
+
+def _require_torch() -> None:
+    """Fail before any work is done, rather than after a trace has been loaded."""
+    importlib.import_module("torch")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -54,7 +72,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     command = next((a for a in argv if a in COMMANDS), None)
     if command is not None:
-        module = importlib.import_module(COMMANDS[command][0])
+        try:
+            module = importlib.import_module(COMMANDS[command][0])
+        except ModuleNotFoundError as err:
+            if not _is_missing_torch(err):
+                raise
+            print(f"tokenspeed-router {command}: error: {TORCH_HINT}", file=sys.stderr)
+            return 2
         subparsers = next(
             a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
         )
@@ -65,7 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        if command in NEEDS_TORCH:
+            _require_torch()
         return int(module.run(args) or 0)
+    except ModuleNotFoundError as err:
+        if not _is_missing_torch(err):
+            raise
+        print(f"tokenspeed-router {command}: error: {TORCH_HINT}", file=sys.stderr)
+        return 2
     except TokenspeedError as err:
         print(f"tokenspeed-router {command}: error: {err}", file=sys.stderr)
         return 2
