@@ -31,14 +31,9 @@ from typing import Any
 import numpy as np
 
 from tokenspeed_router.events.schema import BlockHash, BlockRemoved, BlockStored, KVEventBatch
+from tokenspeed_router.percentiles import percentile
 from tokenspeed_router.router import bench
-from tokenspeed_router.router.bench import (
-    BLOCK,
-    Workload,
-    one_block_events,
-    percentile,
-    removal_batches,
-)
+from tokenspeed_router.router.bench import BLOCK, Workload, one_block_events, removal_batches
 from tokenspeed_router.router.index import KvIndex
 
 

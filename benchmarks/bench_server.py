@@ -43,6 +43,8 @@ from typing import Any
 
 import msgspec
 
+from tokenspeed_router.percentiles import percentile
+
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 16
 CHAIN_BLOCKS = 32
@@ -54,10 +56,8 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 
 def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    """``q`` as a fraction (0.99), as the rest of this file writes it."""
+    return percentile(xs, 100 * q)
 
 
 def _free_port() -> int:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from tokenspeed_router.cli import main as cli_main
+from tokenspeed_router.percentiles import percentile
 from tokenspeed_router.router import bench
 
 
@@ -41,9 +42,9 @@ def test_sections_on_a_tiny_workload() -> None:
 
 
 def test_percentile_is_nearest_rank() -> None:
-    assert bench.percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert bench.percentile([1.0, 2.0, 3.0, 4.0], 99) == 4.0
-    assert bench.percentile([5.0], 1) == 5.0
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 99) == 4.0
+    assert percentile([5.0], 1) == 5.0
 
 
 def test_cli_bench_writes_json(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ import numpy as np
 
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.events.schema import BlockHash, BlockRemoved, BlockStored, KVEventBatch
+from tokenspeed_router.percentiles import percentile
 from tokenspeed_router.router.index import KvIndex
 from tokenspeed_router.router.router import Router, RouterConfig
 
@@ -60,7 +61,6 @@ __all__ = [
     "time_matches",
     "build_workload",
     "one_block_events",
-    "percentile",
     "removal_batches",
     "run",
     "run_bench",
@@ -214,12 +214,6 @@ def one_block_events(wl: Workload, limit: int) -> list[tuple[str, KVEventBatch]]
 
 
 # ------------------------------------------------------------------ measuring
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile (``p`` in 0..100) of a non-empty sequence."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))]
 
 
 def _lat_us(seconds: list[float]) -> dict[str, float]:
