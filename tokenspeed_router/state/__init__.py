@@ -10,11 +10,10 @@ Importing this package does not import redis-py: the client is built when a
 replica is.
 """
 
-from tokenspeed_router.state.applier import IndexHost, LocalIndexHost, StreamApplier
+from tokenspeed_router.state.applier import IndexHost, LocalIndexHost
 from tokenspeed_router.state.config import RedisStateConfig, StateKeys
 from tokenspeed_router.state.health import StateHealth, WarmStartReport
 from tokenspeed_router.state.replica import IngestionControl, RedisStateReplica
-from tokenspeed_router.state.service import RedisIngestSink, create_ingest_sink
 from tokenspeed_router.state.stream import FencedError, GenerationError
 
 __all__ = [
@@ -23,12 +22,9 @@ __all__ = [
     "IndexHost",
     "IngestionControl",
     "LocalIndexHost",
-    "RedisIngestSink",
     "RedisStateConfig",
     "RedisStateReplica",
     "StateHealth",
     "StateKeys",
-    "StreamApplier",
     "WarmStartReport",
-    "create_ingest_sink",
 ]
