@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -628,9 +629,9 @@ def main() -> int:
         results["event_to_visible"]["router_histogram_p50_le_ms"] = _bucket_quantile(buckets_before, after, 0.5) * 1e3
         results["event_to_visible"]["router_histogram_p99_le_ms"] = _bucket_quantile(buckets_before, after, 0.99) * 1e3
         print(f"{'event_to_visible':<34} {json.dumps(results['event_to_visible'])}", flush=True)
-        ws = json.loads(subprocess.run([sys.executable, "-c",
-            f"import httpx,json;print(json.dumps(httpx.get('http://127.0.0.1:{http_port}/workers').json()))"],
-            capture_output=True, text=True, check=True).stdout)["workers"]
+        # GET /workers answers {worker: status} (DESIGN §6), not {"workers": ...}.
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/workers", timeout=10) as resp:
+            ws = json.loads(resp.read())
         results["ingest"] = {
             "published_blocks": streamer.published_blocks,
             "events_applied": sum(w["events_applied"] for w in ws.values()),

@@ -42,6 +42,38 @@ def traces_dir() -> Path:
     return data_dir() / "traces"
 
 
+_BLOCKER = """
+import sys
+
+_BLOCKED = {blocked!r}
+
+
+class _Blocked:
+    \"\"\"Make importing a blocked package fail as it does when it is not installed.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in _BLOCKED:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Blocked())
+"""
+
+
+def without_packages_env(folder: Path, *packages: str) -> dict[str, str]:
+    """Environment for a subprocess whose interpreter cannot import ``packages``.
+
+    A ``sitecustomize`` first on ``PYTHONPATH`` installs an import hook that
+    refuses them exactly as a missing package would (the real interpreter and
+    venv otherwise), so "not installed" paths run for real without a second venv.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(_BLOCKER.format(blocked=sorted(packages)))
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path}
+
+
 def wait_until(
     predicate: Callable[[], T], timeout_s: float = 10.0, interval_s: float = 0.002, what: str = ""
 ) -> T:

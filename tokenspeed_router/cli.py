@@ -48,6 +48,18 @@ def _require_torch() -> None:
     importlib.import_module("torch")
 
 
+#: the names ``--log-level`` accepts (any case), besides a numeric level
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(text: str) -> str:
+    """An argparse type: a known level name, so a typo is a usage error, not a traceback."""
+    level = str(text).strip().upper()
+    if level in LOG_LEVELS or level.isdigit():
+        return level
+    raise argparse.ArgumentTypeError(f"unknown level {text!r}; choose from {', '.join(LOG_LEVELS)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenspeed-router",
@@ -57,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level",
         default=os.environ.get("TOKENSPEED_ROUTER_LOG_LEVEL", "INFO"),
+        type=_log_level,
         help="logging level (default INFO; env TOKENSPEED_ROUTER_LOG_LEVEL)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -85,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         module.add_arguments(subparsers.choices[command])
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=str(args.log_level).upper(),
+        level=int(args.log_level) if args.log_level.isdigit() else args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:

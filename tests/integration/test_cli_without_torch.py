@@ -1,8 +1,8 @@
 """The router-only install (no torch) runs every router-side command (DESIGN §2).
 
 Each command runs as a real ``tokenspeed-router`` subprocess whose interpreter
-cannot import torch: a ``sitecustomize`` put first on ``PYTHONPATH`` installs an
-import hook that refuses ``torch`` exactly as a missing package would. The
+cannot import torch (``support.without_packages_env``: an import hook that
+refuses ``torch`` exactly as a missing package would). The
 commands that need torch must say so in one line (exit 2), not with a traceback.
 """
 
@@ -16,31 +16,12 @@ from pathlib import Path
 
 import pytest
 from server_support import ServeProcess
-from support import REPO_ROOT, free_tcp_port
-
-BLOCKER = '''
-import sys
-
-
-class _NoTorch:
-    """Make ``import torch`` fail as it does when torch is not installed."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-
-
-sys.meta_path.insert(0, _NoTorch())
-'''
+from support import REPO_ROOT, free_tcp_port, without_packages_env
 
 
 @pytest.fixture(scope="module")
 def no_torch_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    folder = tmp_path_factory.mktemp("no_torch")
-    (folder / "sitecustomize.py").write_text(BLOCKER)
-    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path}
+    return without_packages_env(tmp_path_factory.mktemp("no_torch"), "torch")
 
 
 def cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
