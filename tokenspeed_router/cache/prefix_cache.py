@@ -1,6 +1,6 @@
 """Paged radix prefix cache for a worker's KV pages, publishing exact KV events.
 
-Written from the design of ``shared/seed/prefix_cache.py`` (TokenSpeed), with
+Written from the design of TokenSpeed's ``PrefixCache``, with
 its imports supplied by :mod:`.pages`, :mod:`.eviction`, :mod:`.tree` and
 :mod:`.records`, and its event bugs fixed:
 

@@ -111,7 +111,7 @@ class RouterConfig:
     costs later requests and a second copy in another cache), plus a small
     pull towards workers holding less live KV; routed prompts are remembered
     for 15 s so siblings co-locate before the engine's events arrive. Both
-    settings were measured on the Mooncake traces (README.md, "Simulation").
+    settings were measured on the Mooncake traces (docs/simulation.md).
     """
 
     #: One of :class:`Policy` (a plain string such as ``"round_robin"`` works).

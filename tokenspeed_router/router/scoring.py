@@ -17,8 +17,8 @@ prefill one token)::
 
 ``gpu/cpu/storage(w)`` are the leading blocks of the prompt that ``w`` holds,
 attributed to their best tier, and ``bs(w)`` is its block size. The first two
-terms are "queue + own prefill", the estimate the trace study in
-``shared/traces/README.md`` found best on both Mooncake traces; without the
+terms are "queue + own prefill", the estimate a study of the Mooncake traces
+found best on both of them (docs/routing.md); without the
 queue term every request of the conversation trace (they all share block 0)
 lands on one worker. The default ``prefill_weight`` is 2.5: the simulator's runs
 on both traces showed that valuing a cached token above a queued one keeps a

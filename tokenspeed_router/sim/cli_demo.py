@@ -52,7 +52,7 @@ DEMO_TRACE = "mooncake_synthetic_slice.jsonl"
 _BASELINES = ("random", "round_robin", "least_loaded", "approx", "kv_aware", "oracle")
 #: RouterConfig overrides for the demo's routers: none. The shipped defaults
 #: (``prefill_weight=2.5``, ``predict_on_route_ttl_s=15``) are the settings the
-#: trace study found (README.md, "Simulation", "What mattered"); the demo shows
+#: trace study found (docs/simulation.md, "Why the defaults"); the demo shows
 #: exactly what a user gets out of the box.
 RECOMMENDED_ROUTER_OPTIONS: dict[str, Any] = {}
 

@@ -4,7 +4,7 @@ One replica holds the ingestion lease and appends every subscriber item to a
 Redis stream; every replica (leader included) builds its in-memory index
 only from that stream, so all converge and queries never touch Redis.
 Periodic snapshots let a new replica come up warm. See
-README.md, "Several router replicas" for the design, the failure modes and the figures.
+docs/replicas.md for the design, the failure modes and the figures.
 
 Importing this package does not import redis-py: the client is built when a
 replica is.
