@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenspeed_router.errors import TokenspeedError
+from tokenspeed_router.percentiles import percentile
 from tokenspeed_router.sim.cluster import ClusterConfig, CostModel, RunResult, Simulator
 from tokenspeed_router.sim.report import (
     check_out_dir,
@@ -110,10 +111,10 @@ def run_live(requests: list[TraceRequest], cluster: ClusterConfig, *, time_scale
         started = time.perf_counter()
         result = sim.run(requests, backend, progress=progress)
         result.wall_s = time.perf_counter() - started
-        lat = sorted(backend.route_latency_s)
+        lat = backend.route_latency_s
         info = {
-            "route_latency_p50_ms": 1000 * lat[len(lat) // 2] if lat else None,
-            "route_latency_p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
+            "route_latency_p50_ms": 1000 * percentile(lat, 50) if lat else None,
+            "route_latency_p99_ms": 1000 * percentile(lat, 99) if lat else None,
             "max_lateness_s": pacer.max_lateness_s,
             "time_scale": time_scale,
         }
