@@ -40,10 +40,17 @@ def test_the_blocker_blocks_torch(no_torch_env: dict[str, str]) -> None:
     assert "No module named 'torch'" in proc.stderr
 
 
-@pytest.mark.parametrize("command", ["demo", "simulate"])
+TRACE = str(REPO_ROOT / "tokenspeed_router" / "sim" / "data" / "mooncake_synthetic_slice.jsonl")
+TORCH_COMMANDS = {
+    "demo": ["demo"],
+    "simulate": ["simulate", "--trace", TRACE, "--workers", "2"],
+    "engine-sim": ["engine-sim", "--port", "0", "--events", "tcp://127.0.0.1:0"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(TORCH_COMMANDS))
 def test_torch_commands_say_what_to_install(no_torch_env: dict[str, str], command: str) -> None:
-    trace = str(REPO_ROOT / "tokenspeed_router" / "sim" / "data" / "mooncake_synthetic_slice.jsonl")
-    args = [command] if command == "demo" else [command, "--trace", trace, "--workers", "2"]
+    args = TORCH_COMMANDS[command]
     proc = cli(no_torch_env, *args)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -34,6 +34,17 @@ EXPORTS: dict[str, list[str]] = {
         "TreeNode",
         "make_eviction_strategy",
     ],
+    "tokenspeed_router.engine_sim": [
+        "Engine",
+        "EngineConfig",
+        "EngineStatistics",
+        "EventOutlet",
+        "NUMBER_LIMIT",
+        "OutletConfig",
+        "SimRequest",
+        "SimTokenizer",
+        "TimingModel",
+    ],
     "tokenspeed_router.events": [
         "AllBlocksCleared",
         "BatchDecoder",
