@@ -129,6 +129,7 @@ EXPORTS: dict[str, list[str]] = {
         "StateHealth",
         "StateKeys",
         "WarmStartReport",
+        "create_ingest_sink",
     ],
 }
 

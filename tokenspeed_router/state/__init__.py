@@ -14,6 +14,7 @@ from tokenspeed_router.state.applier import IndexHost, LocalIndexHost
 from tokenspeed_router.state.config import RedisStateConfig, StateKeys
 from tokenspeed_router.state.health import StateHealth, WarmStartReport
 from tokenspeed_router.state.replica import IngestionControl, RedisStateReplica
+from tokenspeed_router.state.service import create_ingest_sink
 from tokenspeed_router.state.stream import FencedError, GenerationError
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "StateHealth",
     "StateKeys",
     "WarmStartReport",
+    "create_ingest_sink",
 ]
