@@ -389,7 +389,7 @@ class ZmqEventPublisher:
             if ipv6_endpoint(self._configured_endpoint):
                 pub.setsockopt(zmq.IPV6, 1)
             if self._bind:
-                pub.bind(self._configured_endpoint)
+                _bind_retrying(pub, self._configured_endpoint)
                 self._endpoint = _resolved(pub, self._configured_endpoint)
             else:
                 pub.connect(self._configured_endpoint)
@@ -406,7 +406,7 @@ class ZmqEventPublisher:
                     self._curve.apply(router)
                 if ipv6_endpoint(self._configured_replay):
                     router.setsockopt(zmq.IPV6, 1)
-                router.bind(self._configured_replay)
+                _bind_retrying(router, self._configured_replay)
                 self._replay_endpoint = _resolved(router, self._configured_replay)
             wake = self._ctx.socket(zmq.PAIR)
             sockets.append(wake)
@@ -571,3 +571,27 @@ def _drain(sock: zmq.Socket[bytes]) -> None:
             sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return
+
+
+#: How long a bind to an explicit port waits for the port to come free. A
+#: restarted engine binds the endpoints its predecessor just closed; ZeroMQ
+#: releases a closed listener asynchronously (its I/O thread), so the first
+#: bind can see EADDRINUSE for a few milliseconds.
+BIND_RETRY_S = 5.0
+
+
+def _bind_retrying(sock: zmq.Socket[bytes], endpoint: str, retry_s: float = BIND_RETRY_S) -> None:
+    """Bind, retrying EADDRINUSE on an explicit port until ``retry_s`` passes."""
+    deadline = time.monotonic() + retry_s
+    delay_s = 0.005
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as err:
+            if err.errno != zmq.EADDRINUSE or time.monotonic() + delay_s > deadline:
+                raise
+            logger.debug("kv publisher: %s busy, retrying bind", endpoint)
+            time.sleep(delay_s)
+            delay_s = min(delay_s * 2, 0.2)
+
