@@ -114,7 +114,9 @@ class Gateway:
             problems.append("every engine is down")
             if health.get("status") in ("ok", "degraded"):
                 health["status"] = "unavailable"
-        elif misaligned and health.get("status") == "ok":
+        elif (misaligned or down) and health.get("status") == "ok":
+            for name in down:
+                problems.append(f"worker {name} down (its engine refused or dropped the connection)")
             health["status"] = "degraded"
         return health
 

@@ -129,8 +129,11 @@ class Proxy:
                 view = service.match(tokens)
             decision = service.route(tokens, request_id=request_id)
         except ApiError as err:
-            raise OpenAIError(err.status, err.message,
-                              code="no_worker_available" if err.status == 503 else "invalid_value") from None
+            if err.status != 503:
+                raise OpenAIError(err.status, err.message, code="invalid_value") from None
+            down = sorted(self._up.down())
+            message = f"no worker available (down: {', '.join(down)})" if down else err.message
+            raise OpenAIError(503, message, code="no_worker_available") from None
         targets = self._up.targets()
         site_name = decision["worker"]
         decode_name = decision["decode_worker"]
