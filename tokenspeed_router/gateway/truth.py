@@ -102,9 +102,13 @@ class WorkerTruth:
             return None
         if g % bs != 0:
             return g  # reuse in units the events never use
-        predicted = [s.predicted for s in self.window if s.predicted > 0]
-        if any(p % g for p in predicted):
-            return g  # a coarser engine block: the index predicts finer prefixes than it keeps
+        # A coarser engine block (a power-of-two multiple, as block sizes are) needs more
+        # evidence: several distinct reported sizes, and predictions it could never report.
+        ratio = g // bs
+        if ratio & (ratio - 1) or len(set(reported)) < 3:
+            return None
+        if any(s.predicted % g for s in self.window if s.predicted > 0):
+            return g
         return None
 
     def diagnose(self) -> str:
