@@ -53,7 +53,7 @@ def test_completion_goes_where_the_prefix_is_and_the_truth_loop_counts_it(gw: Ga
 
 
 def test_token_ids_chat_and_unknown_fields(gw: Gateway) -> None:
-    worker, answer = gw.complete(_ids(7000, 40), max_tokens=3, x_vendor_field={"kept": True})
+    _, answer = gw.complete(_ids(7000, 40), max_tokens=3, x_vendor_field={"kept": True})
     assert answer["usage"]["prompt_tokens"] == 40 and answer["usage"]["completion_tokens"] == 3
     resp = gw.post("/v1/chat/completions", {
         "messages": [{"role": "user", "content": words(5000, 40)}], "max_tokens": 3, "temperature": 0.5})
