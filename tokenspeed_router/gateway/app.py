@@ -15,11 +15,11 @@ passed on; without it, the client's header goes to the engine unchanged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.routing import Route
@@ -174,28 +174,22 @@ class Gateway:
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
             if finished and not work.done():
-                await asyncio.wait({work})
+                await asyncio.wait({work})  # answered in full: let it finish its bookkeeping
         finally:
+            watch.cancel()
             if not work.done():
-                work.cancel()
+                work.cancel()  # the client went away (or we are being cancelled ourselves)
                 self.proxy.stats.disconnects += 1
                 logger.debug("client disconnected: request cancelled")
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
+            await asyncio.wait({work, watch})
         if work.cancelled():
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
             return
         err = work.exception()
         if err is None:
             return
-        if isinstance(err, OpenAIError) and not sent:
-            raise err
-        if sent:
-            logger.error("gateway request failed after the answer started: %r", err)
-            return
-        raise err
+        if not sent:
+            raise err  # OpenAIError -> its answer; anything else -> a logged 500
+        logger.error("gateway request failed after its answer started: %r", err)
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = self._check(scope)
@@ -204,11 +198,12 @@ class Gateway:
             raise OpenAIError(503, "no reachable worker with a url", code="no_worker_available")
         client = self.upstreams.client()
 
+        timeout = aiohttp.ClientTimeout(total=min(10.0, self.config.upstream_timeout_s))
+
         async def ask(url: str) -> list[dict[str, Any]]:
             try:
-                resp = await client.get(f"{url}/v1/models", headers=headers,
-                                        timeout=min(10.0, self.config.upstream_timeout_s))
-                data = resp.json().get("data") if resp.status_code == 200 else None
+                async with client.get(f"{url}/v1/models", headers=headers, timeout=timeout) as resp:
+                    data = (await resp.json(content_type=None)).get("data") if resp.status == 200 else None
             except Exception as err:  # one bad engine must not hide the others' models
                 logger.debug("GET %s/v1/models failed: %r", url, err)
                 return []

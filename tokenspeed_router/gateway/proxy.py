@@ -19,13 +19,14 @@ A timeout is a 504, not a retry: a slow engine is busy, not gone.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import msgspec
 
 from tokenspeed_router.gateway.config import GatewayConfig
@@ -33,7 +34,7 @@ from tokenspeed_router.gateway.openai import OpenAIError, ParsedRequest
 from tokenspeed_router.gateway.sse import SseRelay, sse_error_event
 from tokenspeed_router.gateway.tokenize import PromptTokenizer, TokenizeError
 from tokenspeed_router.gateway.truth import TruthLoop, TruthSample, cap_prediction
-from tokenspeed_router.gateway.upstream import Target, Upstreams
+from tokenspeed_router.gateway.upstream import Target, Upstreams, is_timeout, is_unreachable
 from tokenspeed_router.server.api import ApiError
 
 __all__ = ["GatewayStats", "Proxy"]
@@ -45,9 +46,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 _decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 _JSON = b"application/json"
-#: transport errors that mean "the engine did not take the request": retry elsewhere
-_UNREACHABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
-                httpx.ConnectTimeout, httpx.PoolTimeout)
+#: what a failing engine connection can raise
+_TRANSPORT = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 class _Unreachable(Exception):
@@ -56,6 +56,15 @@ class _Unreachable(Exception):
     def __init__(self, target: Target, err: BaseException) -> None:
         super().__init__(f"{type(err).__name__}: {err}")
         self.target = target
+
+
+def _before_first_byte(target: Target, err: BaseException, what: str) -> Exception:
+    """The error to raise for a transport failure before the client got anything."""
+    if is_unreachable(err):
+        return _Unreachable(target, err)
+    if is_timeout(err):
+        return OpenAIError(504, f"{what} {target.worker!r} timed out", code="upstream_timeout")
+    return OpenAIError(502, f"{what} {target.worker!r} failed: {type(err).__name__}: {err}", code="upstream_error")
 
 
 @dataclass
@@ -197,22 +206,21 @@ class Proxy:
         body.pop("stream_options", None)
         body["kv_transfer_params"] = {"do_remote_decode": True}
         site = plan.site
+        resp = await self._open(site, req.path, body, headers, "prefill worker")
         try:
-            resp = await self._up.client().post(
-                site.url + req.path, content=_encoder.encode(body),
-                headers={"content-type": "application/json", **headers, **site.headers()})
-        except _UNREACHABLE as err:
-            raise _Unreachable(site, err) from err
-        except httpx.TimeoutException as err:
-            raise OpenAIError(504, f"prefill worker {site.worker!r} timed out: {err}", code="upstream_timeout") from err
-        if resp.status_code != 200:
-            self.stats.count(site.stream, f"http_{resp.status_code}")
-            await _reply(send, resp.status_code, resp.content, _content_type(resp), [
+            content = await resp.read()
+        except _TRANSPORT as err:
+            resp.close()
+            raise _before_first_byte(site, err, "prefill worker") from err
+        resp.release()
+        if resp.status != 200:
+            self.stats.count(site.stream, f"http_{resp.status}")
+            await _reply(send, resp.status, content, _content_type(resp), [
                 (b"x-tokenspeed-worker", site.worker.encode()),
                 (b"x-tokenspeed-prefill-worker", site.worker.encode())])
             return
         try:
-            answer = _decoder.decode(resp.content)
+            answer = _decoder.decode(content)
         except msgspec.DecodeError:
             answer = None
         if not isinstance(answer, dict):
@@ -238,42 +246,49 @@ class Proxy:
             opts["include_usage"] = True
             body["stream_options"] = opts
             strip = True
-        client = self._up.client()
-        request = client.build_request(
-            "POST", target.url + req.path, content=_encoder.encode(body),
-            headers={"content-type": "application/json", **headers, **target.headers()})
-        try:
-            resp = await client.send(request, stream=True)
-        except _UNREACHABLE as err:
-            raise _Unreachable(target, err) from err
-        except httpx.TimeoutException as err:
-            raise OpenAIError(504, f"worker {target.worker!r} timed out: {err}", code="upstream_timeout") from err
+        resp = await self._open(target, req.path, body, headers, "worker")
         worker_headers = [(b"x-tokenspeed-worker", target.worker.encode()), *(extra or [])]
+        done = False
         try:
-            if resp.status_code != 200 or not req.stream:
+            if resp.status != 200 or not req.stream:
                 try:
-                    content = await resp.aread()
-                except _UNREACHABLE as err:
-                    raise _Unreachable(target, err) from err
-                except httpx.HTTPError as err:
-                    raise OpenAIError(502, f"worker {target.worker!r} failed mid-answer: {err}",
-                                      code="upstream_error") from err
-                if resp.status_code == 200 and observe:
+                    content = await resp.read()
+                except _TRANSPORT as err:
+                    raise _before_first_byte(target, err, "worker") from err
+                done = True
+                if resp.status == 200 and observe:
                     self._learn_json(target.stream, plan, tokens, content)
-                self.stats.count(target.stream, "ok" if resp.status_code == 200 else f"http_{resp.status_code}")
-                await _reply(send, resp.status_code, content, _content_type(resp), worker_headers)
+                self.stats.count(target.stream, "ok" if resp.status == 200 else f"http_{resp.status}")
+                await _reply(send, resp.status, content, _content_type(resp), worker_headers)
                 return
-            await self._relay(resp, target, plan, tokens, send, worker_headers, strip=strip, observe=observe)
+            done = await self._relay(resp, target, plan, tokens, send, worker_headers, strip=strip,
+                                     observe=observe)
         finally:
-            await resp.aclose()
+            # a fully read answer returns its connection to the pool; anything else closes it
+            # (a cancelled request: the engine sees the connection go and aborts)
+            if done:
+                resp.release()
+            else:
+                resp.close()
 
-    async def _relay(self, resp: httpx.Response, target: Target, plan: _Plan, tokens: list[int], send: Send,
-                     worker_headers: list[tuple[bytes, bytes]], *, strip: bool, observe: bool) -> None:
+    async def _open(self, target: Target, path: str, body: dict[str, Any], headers: dict[str, str],
+                    what: str) -> aiohttp.ClientResponse:
+        """POST ``body`` to ``target`` and wait for the answer's head."""
+        try:
+            return await self._up.client().post(
+                target.url + path, data=_encoder.encode(body),
+                headers={"content-type": "application/json", **headers, **target.headers()})
+        except _TRANSPORT as err:
+            raise _before_first_byte(target, err, what) from err
+
+    async def _relay(self, resp: aiohttp.ClientResponse, target: Target, plan: _Plan, tokens: list[int],
+                     send: Send, worker_headers: list[tuple[bytes, bytes]], *, strip: bool,
+                     observe: bool) -> bool:
+        """Relay an SSE answer; True when the engine's stream was read to its end."""
         relay = SseRelay(strip_usage=strip)
         started = False
-        raw = resp.aiter_raw()
         try:
-            async for chunk in raw:
+            async for chunk in resp.content.iter_any():
                 out = relay.feed(chunk)
                 if not out:
                     continue
@@ -285,18 +300,16 @@ class Proxy:
                     if observe:
                         self._prefill_done(plan.request_id)
                 await send({"type": "http.response.body", "body": out, "more_body": True})
-        except httpx.HTTPError as err:
+        except _TRANSPORT as err:
             if not started:
-                if isinstance(err, _UNREACHABLE):
-                    raise _Unreachable(target, err) from err
-                raise OpenAIError(502, f"worker {target.worker!r} failed before its first event: {err}",
-                                  code="upstream_error") from err
+                raise _before_first_byte(target, err, "worker") from err
             self.stats.count(target.stream, "stream_error")
-            logger.warning("stream from worker %s broke after %d event(s): %s", target.worker, relay.events, err)
+            reason = "timed out" if is_timeout(err) else f"{type(err).__name__}: {err}"
+            logger.warning("stream from worker %s broke after %d event(s): %s", target.worker, relay.events, reason)
             await send({"type": "http.response.body",
-                        "body": sse_error_event(f"worker {target.worker!r} failed mid-stream: {err}",
+                        "body": sse_error_event(f"worker {target.worker!r} failed mid-stream: {reason}",
                                                 code="upstream_error"), "more_body": False})
-            return
+            return False
         rest = relay.flush()
         if not started:
             await send({"type": "http.response.start", "status": 200, "headers": [
@@ -305,6 +318,7 @@ class Proxy:
         self.stats.count(target.stream, "ok")
         if observe:
             self._learn(target.stream, plan, tokens, relay.usage)
+        return True
 
     # --- truth loop -------------------------------------------------------------------
 
@@ -346,8 +360,8 @@ class Proxy:
         self._truth.observe(stream, sample)
 
 
-def _content_type(resp: httpx.Response) -> bytes:
-    return resp.headers.get("content-type", "application/json").encode("latin-1")
+def _content_type(resp: aiohttp.ClientResponse) -> bytes:
+    return resp.headers.get("Content-Type", "application/json").encode("latin-1")
 
 
 async def _reply(send: Send, status: int, body: bytes, content_type: bytes,

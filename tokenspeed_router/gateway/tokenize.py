@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
+import aiohttp
 
 from tokenspeed_router.errors import ConfigError, TokenspeedError
 
@@ -114,9 +114,9 @@ def _token_answer(data: Any, url: str) -> list[int]:
 class EngineTokenizer:
     """Tokenize with the engine's own ``POST /tokenize`` (vLLM / SGLang shapes)."""
 
-    def __init__(self, client: Callable[[], httpx.AsyncClient], timeout_s: float = 10.0) -> None:
+    def __init__(self, client: Callable[[], aiohttp.ClientSession], timeout_s: float = 10.0) -> None:
         self._client = client
-        self._timeout_s = timeout_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._cache = _TokenCache()
 
     async def _ask(self, url: str | None, payload: dict[str, Any]) -> list[int]:
@@ -127,13 +127,15 @@ class EngineTokenizer:
         if hit is not None:
             return hit
         try:
-            resp = await self._client().post(f"{url}/tokenize", json=payload, timeout=self._timeout_s)
-        except httpx.HTTPError as err:
+            async with self._client().post(f"{url}/tokenize", json=payload, timeout=self._timeout) as resp:
+                content = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
             raise TokenizeError(f"{url}/tokenize: {type(err).__name__}: {err}") from err
-        if resp.status_code != 200:
-            raise TokenizeError(f"{url}/tokenize answered {resp.status_code}: {resp.text[:200]}")
+        if status != 200:
+            raise TokenizeError(f"{url}/tokenize answered {status}: {content[:200]!r}")
         try:
-            tokens = _token_answer(resp.json(), url)
+            tokens = _token_answer(json.loads(content), url)
         except ValueError as err:
             raise TokenizeError(f"{url}/tokenize answered invalid JSON") from err
         self._cache.put(key, tokens)
@@ -273,7 +275,7 @@ class LocalTokenizer:
         return await asyncio.to_thread(self.encode_text, text, special)
 
 
-def load_tokenizer(setting: str, client: Callable[[], httpx.AsyncClient]) -> PromptTokenizer:
+def load_tokenizer(setting: str, client: Callable[[], aiohttp.ClientSession]) -> PromptTokenizer:
     """``--tokenizer engine`` or ``--tokenizer PATH`` (a ConfigError names what is wrong)."""
     if setting == "engine":
         return EngineTokenizer(client)

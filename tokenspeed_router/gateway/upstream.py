@@ -1,9 +1,14 @@
 """Where the engines are, one pooled HTTP client to reach them, and which are down.
 
-One ``httpx.AsyncClient`` per process (made on first use, in the serving
+One ``aiohttp.ClientSession`` per process (made on first use, in the serving
 event loop), with keep-alive pooling bounded by ``upstream_max_connections``.
 Timeouts: ``upstream_connect_timeout_s`` to connect, ``upstream_timeout_s``
-for every other wait (see :class:`~tokenspeed_router.gateway.config.GatewayConfig`).
+for every read (see :class:`~tokenspeed_router.gateway.config.GatewayConfig`).
+
+Why aiohttp and not httpx: measured here against one engine-sim, 32 requests
+in flight, httpx cost 2.5 ms of client CPU per request (its pool checks every
+pooled connection's socket on every request) and aiohttp 0.22 ms; the
+gateway's overhead budget is 1 ms.
 
 A worker whose engine refuses or drops the connection before answering is
 *down*: :meth:`Upstreams.mark_down` takes every stream of it out of routing
@@ -21,16 +26,32 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from tokenspeed_router.gateway.config import GatewayConfig
 
-__all__ = ["Target", "Upstreams"]
+__all__ = ["Target", "Upstreams", "is_timeout", "is_unreachable"]
 
 logger = logging.getLogger(__name__)
 
 #: how often a down worker's /health is asked
 PROBE_INTERVAL_S = 0.5
+#: idle pooled connections are dropped before servers drop them (uvicorn, vLLM's server: 5 s)
+KEEPALIVE_S = 4.0
+
+
+def is_unreachable(err: BaseException) -> bool:
+    """The engine did not take the request: refused, reset, closed, or no connection in time."""
+    if isinstance(err, aiohttp.ConnectionTimeoutError):
+        return True
+    if isinstance(err, aiohttp.ServerTimeoutError):
+        return False  # connected, then too slow: busy, not gone
+    return isinstance(err, (aiohttp.ClientConnectionError, ConnectionError))
+
+
+def is_timeout(err: BaseException) -> bool:
+    return isinstance(err, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)) and not isinstance(
+        err, aiohttp.ConnectionTimeoutError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,21 +73,22 @@ class Upstreams:
     def __init__(self, service: Any, config: GatewayConfig) -> None:
         self._service = service
         self._config = config
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
         self._down: dict[str, float] = {}  # worker -> monotonic time it went down
         self._probes: dict[str, asyncio.Task[None]] = {}
         self.down_events = 0
 
-    def client(self) -> httpx.AsyncClient:
-        """The process-wide client (created in the running loop on first use)."""
+    def client(self) -> aiohttp.ClientSession:
+        """The process-wide session (created in the running loop on first use)."""
         if self._client is None:
             c = self._config
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(c.upstream_timeout_s, connect=c.upstream_connect_timeout_s),
-                limits=httpx.Limits(max_connections=c.upstream_max_connections,
-                                    max_keepalive_connections=c.upstream_max_connections,
-                                    keepalive_expiry=60.0),
-                follow_redirects=False,
+            self._client = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=c.upstream_max_connections, limit_per_host=0,
+                                               keepalive_timeout=KEEPALIVE_S),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=c.upstream_connect_timeout_s,
+                                              connect=c.upstream_connect_timeout_s,
+                                              sock_read=c.upstream_timeout_s),
+                auto_decompress=False,  # bytes are relayed as the engine sent them
             )
         return self._client
 
@@ -80,7 +102,7 @@ class Upstreams:
                 pass
         self._probes.clear()
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
             self._client = None
 
     # --- targets ----------------------------------------------------------------
@@ -149,11 +171,12 @@ class Upstreams:
                 self._probes.pop(worker, None)
                 return
             try:
-                resp = await client.get(f"{url}/health", timeout=min(2.0, self._config.upstream_timeout_s))
-                if resp.status_code == 200:
-                    self._mark_up(worker, streams, "health probe answered 200")
-                    return
-            except httpx.HTTPError:
+                async with client.get(f"{url}/health", timeout=aiohttp.ClientTimeout(
+                        total=min(2.0, self._config.upstream_timeout_s))) as resp:
+                    if resp.status == 200:
+                        self._mark_up(worker, streams, "health probe answered 200")
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
             if time.monotonic() >= deadline:
                 self._mark_up(worker, streams, f"cooldown of {self._config.worker_down_cooldown_s:g}s over")
