@@ -212,9 +212,10 @@ async def _paced_conn(port: int, bodies: list[bytes], start: float, interval_s: 
     writer.close()
 
 
-def fixed_rate(port: int, bodies: list[bytes], rate: float, duration_s: float, conns: int = 4) -> dict[str, Any]:
+def fixed_rate(port: int, bodies: list[bytes], rate: float, duration_s: float, conns: int = 4,
+               samples: list[float] | None = None) -> dict[str, Any]:
     """Open loop at ``rate`` req/s over ``conns`` keep-alive connections (each paced at rate/conns)."""
-    lat: list[float] = []
+    lat: list[float] = samples if samples is not None else []
     errors: list[bytes] = []
     per_conn = max(1, round(rate * duration_s / conns))
 
@@ -226,6 +227,20 @@ def fixed_rate(port: int, bodies: list[bytes], rate: float, duration_s: float, c
     asyncio.run(main())
     return {"requests": len(lat), "p50_ms": _pct(lat, 0.5) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3,
             "errors": len(errors)}
+
+
+def interleaved(targets: dict[str, tuple[int, list[bytes]]], rate: float, duration_s: float,
+                rounds: int) -> dict[str, dict[str, Any]]:
+    """``fixed_rate`` per target, in ``rounds`` alternating slices: machine load drifts, and on a
+    shared machine a target measured only first or only last would carry that drift."""
+    lat: dict[str, list[float]] = {name: [] for name in targets}
+    errors = dict.fromkeys(targets, 0)
+    for _ in range(rounds):
+        for name, (port, bodies) in targets.items():
+            out = fixed_rate(port, bodies, rate, duration_s / rounds, samples=lat[name])
+            errors[name] += out["errors"]
+    return {name: {"requests": len(xs), "p50_ms": _pct(xs, 0.5) * 1e3, "p99_ms": _pct(xs, 0.99) * 1e3,
+                   "errors": errors[name]} for name, xs in lat.items()}
 
 
 def saturate(port: int, bodies: list[bytes], conns: int, duration_s: float) -> dict[str, Any]:
@@ -264,6 +279,7 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=100.0, help="fixed-rate phase, requests/s (default 100)")
     parser.add_argument("--duration-s", type=float, default=10.0, help="length of each phase (default 10)")
     parser.add_argument("--conns", type=int, default=32, help="wrk connections at saturation (default 32)")
+    parser.add_argument("--rounds", type=int, default=5, help="fixed-rate slices per target, interleaved (default 5)")
     parser.add_argument("--quick", action="store_true", help="3 s phases")
     parser.add_argument("--no-peer", action="store_true", help="skip vllm-router even if installed")
     parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
@@ -288,14 +304,11 @@ def main() -> int:
             ids, text = _bodies(_prompts(), False), _bodies(_prompts(), True)
             fixed_rate(gw_port, ids, args.rate, 1.0)  # warm: connections, index, caches
             fixed_rate(engine_port, ids, args.rate, 1.0)
-            latency = {
-                "engine": fixed_rate(engine_port, ids, args.rate, duration),
-                "gateway": fixed_rate(gw_port, ids, args.rate, duration),
-                "gateway_text": fixed_rate(gw_port, text, args.rate, duration),
-            }
+            targets = {"engine": (engine_port, ids), "gateway": (gw_port, ids), "gateway_text": (gw_port, text)}
             if peer is not None:
                 fixed_rate(peer[1], ids, args.rate, 1.0)
-                latency["vllm_router"] = fixed_rate(peer[1], ids, args.rate, duration)
+                targets["vllm_router"] = (peer[1], ids)
+            latency = interleaved(targets, args.rate, duration, args.rounds)
             results["latency"] = latency
             results["overhead_p50_ms"] = latency["gateway"]["p50_ms"] - latency["engine"]["p50_ms"]
             results["overhead_p50_text_ms"] = latency["gateway_text"]["p50_ms"] - latency["engine"]["p50_ms"]
