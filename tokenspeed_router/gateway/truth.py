@@ -31,7 +31,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -83,7 +83,6 @@ class WorkerTruth:
     misaligned: bool = False
     cause: str | None = None
     flips: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def disagreeing(self) -> tuple[int, int]:
         return sum(1 for s in self.window if s.too_low() or s.too_high()), len(self.window)
