@@ -145,7 +145,7 @@ def _vllm_router(workdir: Path, engines: list[dict[str, Any]]) -> tuple[Proc, in
     exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
     if not Path(exe).exists():
         return None
-    kv = ["--kv-event-block-size", "16"]
+    kv = ["--kv-event-block-size", "16", "--kv-event-model", "tokenspeed-sim"]
     for e in engines:
         kv += ["--kv-event-source", f"{e['url']}={e['events'][0]}"]
     for policy, extra in (("kv_aware", kv), ("round_robin", [])):
