@@ -28,18 +28,24 @@ class Gateway:
     engine_args: Sequence[Sequence[str]]
     roles: Sequence[str] | None = None
     serve_args: Sequence[str] = ()
+    #: appended to every ``--worker`` spec (e.g. ``dp_ranks=2``)
+    spec_extra: str = ""
     engines: list[EngineSim] = field(default_factory=list)
 
     def __enter__(self) -> Gateway:
         self._stack = ExitStack()
         try:
             for args in self.engine_args:
-                self.engines.append(self._stack.enter_context(EngineSim(self.workdir, list(args)).start()))
+                explicit_replay = "--replay" in args  # engine-sim binds port + rank itself
+                engine = EngineSim(self.workdir, list(args), replay=not explicit_replay)
+                self.engines.append(self._stack.enter_context(engine.start()))
             argv: list[str] = []
             for i, engine in enumerate(self.engines):
                 spec = f"name=w{i},url={engine.url},events={engine.events},replay={engine.replay_endpoint}"
                 if self.roles is not None:
                     spec += f",role={self.roles[i]}"
+                if self.spec_extra:
+                    spec += f",{self.spec_extra}"
                 argv += ["--worker", spec]
             self.serve = self._stack.enter_context(
                 ServeProcess([*argv, *self.serve_args], self.workdir).start(timeout_s=60))
@@ -55,7 +61,8 @@ class Gateway:
         self._stack.close()
 
     def engine_of(self, worker: str) -> EngineSim:
-        return self.engines[int(worker[1:])]
+        """The engine behind ``w3`` (or a DP rank of it, ``w3/dp1``)."""
+        return self.engines[int(worker.split("/")[0][1:])]
 
     def worker_of(self, fingerprint: str) -> str:
         return next(f"w{i}" for i, e in enumerate(self.engines) if e.name == fingerprint)

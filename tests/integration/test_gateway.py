@@ -17,6 +17,7 @@ import httpx
 import pytest
 from engine_sim_support import words
 from gateway_support import Gateway, sse_events
+from server_support import two_free_ports
 from support import wait_until
 
 #: one decode step: slow enough that a buffered stream would be visible, fast enough for CI
@@ -175,3 +176,24 @@ def test_killed_engine_mid_stream_then_failover(tmp_path: Path) -> None:
             "no_worker_available", "upstream_unreachable")
         wait_until(lambda: gw.client.get("/health").status_code == 503, 10, interval_s=0.05,
                    what="/health to report no engine")
+
+
+def test_data_parallel_ranks_are_addressed_by_header(tmp_path: Path) -> None:
+    """A ``dp_ranks=2`` worker: the router picks a rank, vLLM's X-data-parallel-rank header takes it there."""
+    events = two_free_ports()
+    replay = two_free_ports(avoid=(events,))
+    args = ["--instant", "--dp-ranks", "2", "--events", f"tcp://127.0.0.1:{events}",
+            "--replay", f"tcp://127.0.0.1:{replay}"]
+    with Gateway(tmp_path, [args], spec_extra="dp_ranks=2") as gw:
+        assert set(gw.workers()) == {"w0/dp0", "w0/dp1"}
+        seen = set()
+        for start in range(60_000, 64_000, 1000):
+            rank, _ = gw.complete(words(start, 64))
+            seen.add(rank)
+            # the rank the router chose is the rank that cached the prompt
+            wait_until(lambda start=start: gw.held_blocks(_ids(start, 64)), 20, interval_s=0.02,
+                       what="the rank's events")
+            assert gw.held_blocks(_ids(start, 64)) == {rank: 4}
+            again, answer = gw.complete(words(start, 64) + " 1")
+            assert again == rank and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        assert seen == {"w0/dp0", "w0/dp1"}

@@ -216,8 +216,8 @@ class Proxy:
         if resp.status != 200:
             self.stats.count(site.stream, f"http_{resp.status}")
             await _reply(send, resp.status, content, _content_type(resp), [
-                (b"x-tokenspeed-worker", site.worker.encode()),
-                (b"x-tokenspeed-prefill-worker", site.worker.encode())])
+                (b"x-tokenspeed-worker", site.stream.encode()),
+                (b"x-tokenspeed-prefill-worker", site.stream.encode())])
             return
         try:
             answer = _decoder.decode(content)
@@ -234,7 +234,7 @@ class Proxy:
         decode_body = dict(req.body)
         decode_body["kv_transfer_params"] = kv
         await self._one_leg(req, tokens, plan, plan.decode, decode_body, send, headers, observe=False,
-                            extra=[(b"x-tokenspeed-prefill-worker", site.worker.encode())])
+                            extra=[(b"x-tokenspeed-prefill-worker", site.stream.encode())])
 
     async def _one_leg(self, req: ParsedRequest, tokens: list[int], plan: _Plan, target: Target,
                        body: dict[str, Any], send: Send, headers: dict[str, str], *, observe: bool,
@@ -247,7 +247,7 @@ class Proxy:
             body["stream_options"] = opts
             strip = True
         resp = await self._open(target, req.path, body, headers, "worker")
-        worker_headers = [(b"x-tokenspeed-worker", target.worker.encode()), *(extra or [])]
+        worker_headers = [(b"x-tokenspeed-worker", target.stream.encode()), *(extra or [])]
         done = False
         try:
             if resp.status != 200 or not req.stream:
