@@ -291,3 +291,32 @@ def test_health_503_when_every_worker_is_stale() -> None:
             assert entry["url"] == "http://127.0.0.1:9" and entry["reachable"] and not entry["misaligned"]
     finally:
         service.stop()
+
+
+class _DownStateSink:
+    """A state backend that reports itself disconnected (what Redis' sink says when Redis is gone)."""
+
+    def __init__(self, service: RouterService) -> None:
+        self._apply = service.apply_item
+
+    def submit(self, item: object) -> None:
+        self._apply(item)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        pass
+
+    def health(self) -> dict[str, object]:
+        return {"backend": "test", "connected": False}
+
+
+def test_health_503_when_the_state_backend_is_down() -> None:
+    service = RouterService(ServerConfig(http=None), sink_factory=_DownStateSink)
+    service.start()
+    try:
+        with TestClient(create_app(service)) as client:
+            resp = client.get("/health")
+            assert resp.status_code == 503
+            assert resp.json()["status"] == "unavailable"
+            assert resp.json()["problems"] == ["state backend unreachable"]
+    finally:
+        service.stop()
