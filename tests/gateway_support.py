@@ -60,6 +60,14 @@ class Gateway:
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
+    def restart_engine(self, i: int) -> EngineSim:
+        """Stop engine ``i`` and start it again with the same arguments (give it fixed ports)."""
+        old = self.engines[i]
+        old.stop()
+        engine = EngineSim(self.workdir, list(old.args), replay=old.replay)
+        self.engines[i] = self._stack.enter_context(engine.start())
+        return engine
+
     def engine_of(self, worker: str) -> EngineSim:
         """The engine behind ``w3`` (or a DP rank of it, ``w3/dp1``)."""
         return self.engines[int(worker.split("/")[0][1:])]

@@ -18,7 +18,7 @@ import pytest
 from engine_sim_support import words
 from gateway_support import Gateway, sse_events
 from server_support import two_free_ports
-from support import wait_until
+from support import free_tcp_port, wait_until
 
 #: one decode step: slow enough that a buffered stream would be visible, fast enough for CI
 STEP_S = 0.05
@@ -197,3 +197,27 @@ def test_data_parallel_ranks_are_addressed_by_header(tmp_path: Path) -> None:
             again, answer = gw.complete(words(start, 64) + " 1")
             assert again == rank and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
         assert seen == {"w0/dp0", "w0/dp1"}
+
+
+def test_down_worker_comes_back_when_its_engine_answers_again(tmp_path: Path) -> None:
+    def fixed_ports() -> list[str]:
+        return ["--instant", "--port", str(free_tcp_port()), "--events", f"tcp://127.0.0.1:{free_tcp_port()}",
+                "--replay", f"tcp://127.0.0.1:{free_tcp_port()}"]
+
+    # a cooldown far beyond the test: only the /health probe can bring the worker back
+    with Gateway(tmp_path, [fixed_ports(), fixed_ports()],
+                 serve_args=["--worker-down-cooldown-s", "600"]) as gw:
+        prompt = words(70_000, 64)
+        worker, _ = gw.complete(prompt)
+        wait_until(lambda: gw.held_blocks(_ids(70_000, 64)).get(worker), 20, interval_s=0.02, what="events")
+        index = int(worker[1:])
+        gw.engines[index].stop()
+        other, _ = gw.complete(prompt)
+        assert other != worker and gw.workers()[worker]["reachable"] is False
+        gw.restart_engine(index)
+        wait_until(lambda: gw.workers()[worker]["reachable"], 20, interval_s=0.05,
+                   what="the health probe to put the worker back")
+        assert gw.client.get("/health").json()["down"] == []
+        # routable again: fresh prompts reach it
+        landed = {gw.complete(words(80_000 + 1000 * i, 32))[0] for i in range(12)}
+        assert worker in landed
