@@ -8,8 +8,8 @@ ports); every wait polls with a deadline.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,8 +37,7 @@ class Gateway:
         try:
             for args in self.engine_args:
                 explicit_replay = "--replay" in args  # engine-sim binds port + rank itself
-                engine = EngineSim(self.workdir, list(args), replay=not explicit_replay)
-                self.engines.append(self._stack.enter_context(engine.start()))
+                self.engines.append(self._start(EngineSim(self.workdir, list(args), replay=not explicit_replay)))
             argv: list[str] = []
             for i, engine in enumerate(self.engines):
                 spec = f"name=w{i},url={engine.url},events={engine.events},replay={engine.replay_endpoint}"
@@ -60,13 +59,21 @@ class Gateway:
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
+    def _start(self, engine: EngineSim) -> EngineSim:
+        try:
+            engine.start()
+        except BaseException:
+            if engine.proc is not None:
+                engine.stop()  # closes its pipes and log file
+            raise
+        return self._stack.enter_context(engine)
+
     def restart_engine(self, i: int) -> EngineSim:
         """Stop engine ``i`` and start it again with the same arguments (give it fixed ports)."""
         old = self.engines[i]
         old.stop()
-        engine = EngineSim(self.workdir, list(old.args), replay=old.replay)
-        self.engines[i] = self._stack.enter_context(engine.start())
-        return engine
+        self.engines[i] = self._start(EngineSim(self.workdir, list(old.args), replay=old.replay))
+        return self.engines[i]
 
     def engine_of(self, worker: str) -> EngineSim:
         """The engine behind ``w3`` (or a DP rank of it, ``w3/dp1``)."""
@@ -114,3 +121,26 @@ def sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any] | str]:
         assert line.startswith("data: "), line
         data = line[len("data: "):]
         yield data if data == "[DONE]" else json.loads(data)
+
+
+@contextmanager
+def open_with_fixed_ports(make: Callable[[], Gateway], attempts: int = 3) -> Iterator[Gateway]:
+    """``with make() as gw``, again with new ports when one was taken between choosing and binding it.
+
+    Tests that must give engines explicit ports (DP ranks on port + rank, an
+    engine restarted on its old ports) choose free ports first; on a busy
+    machine another process can take one before the engine binds it.
+    """
+    for attempt in range(attempts):
+        gateway = make()
+        try:
+            gateway.__enter__()
+        except AssertionError as err:
+            if "Address already in use" not in str(err) or attempt == attempts - 1:
+                raise
+            continue
+        try:
+            yield gateway
+        finally:
+            gateway.__exit__(None, None, None)
+        return

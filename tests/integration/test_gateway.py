@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_sim_support import words
-from gateway_support import Gateway, sse_events
+from gateway_support import Gateway, open_with_fixed_ports, sse_events
 from server_support import two_free_ports
 from support import free_tcp_port, wait_until
 
@@ -180,11 +180,14 @@ def test_killed_engine_mid_stream_then_failover(tmp_path: Path) -> None:
 
 def test_data_parallel_ranks_are_addressed_by_header(tmp_path: Path) -> None:
     """A ``dp_ranks=2`` worker: the router picks a rank, vLLM's X-data-parallel-rank header takes it there."""
-    events = two_free_ports()
-    replay = two_free_ports(avoid=(events,))
-    args = ["--instant", "--dp-ranks", "2", "--events", f"tcp://127.0.0.1:{events}",
-            "--replay", f"tcp://127.0.0.1:{replay}"]
-    with Gateway(tmp_path, [args], spec_extra="dp_ranks=2") as gw:
+    def make() -> Gateway:
+        events = two_free_ports()
+        replay = two_free_ports(avoid=(events,))
+        args = ["--instant", "--dp-ranks", "2", "--events", f"tcp://127.0.0.1:{events}",
+                "--replay", f"tcp://127.0.0.1:{replay}"]
+        return Gateway(tmp_path, [args], spec_extra="dp_ranks=2")
+
+    with open_with_fixed_ports(make) as gw:
         assert set(gw.workers()) == {"w0/dp0", "w0/dp1"}
         seen = set()
         for start in range(60_000, 64_000, 1000):
@@ -205,8 +208,8 @@ def test_down_worker_comes_back_when_its_engine_answers_again(tmp_path: Path) ->
                 "--replay", f"tcp://127.0.0.1:{free_tcp_port()}"]
 
     # a cooldown far beyond the test: only the /health probe can bring the worker back
-    with Gateway(tmp_path, [fixed_ports(), fixed_ports()],
-                 serve_args=["--worker-down-cooldown-s", "600"]) as gw:
+    with open_with_fixed_ports(lambda: Gateway(tmp_path, [fixed_ports(), fixed_ports()],
+                                               serve_args=["--worker-down-cooldown-s", "600"])) as gw:
         prompt = words(70_000, 64)
         worker, _ = gw.complete(prompt)
         wait_until(lambda: gw.held_blocks(_ids(70_000, 64)).get(worker), 20, interval_s=0.02, what="events")

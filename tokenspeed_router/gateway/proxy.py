@@ -341,6 +341,10 @@ class Proxy:
         if type(reported) is not int:
             self._truth.observe_unreported(stream)
             return
+        with self._service.locked():
+            resyncing = self._service.ingestor.is_cold(stream)
+        if resyncing:
+            return  # its index entries are known to be incomplete (stale, resyncing): no evidence
         prompt_tokens = usage.get("prompt_tokens")
         n = prompt_tokens if type(prompt_tokens) is int and prompt_tokens > 0 else len(tokens)
         bs = plan.block_size
