@@ -57,7 +57,7 @@ from tokenspeed_router.events.schema import KVEventBatch
 from tokenspeed_router.events.subscriber import BatchReceived, SubscriberItem
 from tokenspeed_router.router.index import KvIndex
 from tokenspeed_router.router.ingest import IndexIngestor, WorkerState
-from tokenspeed_router.router.router import Router
+from tokenspeed_router.router.router import Router, WorkerRole
 from tokenspeed_router.server.api import ApiError
 from tokenspeed_router.server.config import ServerConfig, SubscriberSpec, WorkerSpec
 from tokenspeed_router.server.ingest_loop import IngestLoop
@@ -178,7 +178,7 @@ class RouterService:
         self._loop: IngestLoop | None = None
         self._specs: dict[str, WorkerSpec] = {}  # configured worker name -> spec
         self._subs: dict[str, SubscriberSpec] = {}  # stream name -> spec
-        self._roles: dict[str, str] = {}  # routable worker -> role
+        self._roles: dict[str, WorkerRole] = {}  # routable worker -> role
         self._replayed: dict[str, int] = {}
         #: streams whose prefix knowledge the gateway's truth loop distrusts (misaligned)
         self._distrusted: set[str] = set()
@@ -363,7 +363,7 @@ class RouterService:
         # under the lock
         if name not in self._roles:
             sub = self._subs.get(name)
-            role = sub.role if sub is not None else "both"
+            role = sub.role if sub is not None else WorkerRole.BOTH
             self.router.add_worker(name, role)
             self.ingestor.add_worker(name)
             self._roles[name] = role
@@ -430,14 +430,14 @@ class RouterService:
             self._ensure_worker(name)
             self.ingestor.mark_stale(name)
 
-    def preset_roles(self, roles: Mapping[str, str]) -> None:
+    def preset_roles(self, roles: Mapping[str, WorkerRole | str]) -> None:
         """Declare roles of workers known only from a log (``replay`` reads them from its header)."""
         with self._lock:
             for name, role in roles.items():
                 if name not in self._roles:
                     self.router.add_worker(name, role)
                     self.ingestor.add_worker(name)
-                    self._roles[name] = role
+                    self._roles[name] = WorkerRole(role)
 
     def replace_index(self, index: KvIndex) -> None:
         """Adopt a restored index (warm start from a snapshot); hold :meth:`locked`.
@@ -531,7 +531,7 @@ class RouterService:
                 entry: dict[str, Any] = {
                     "worker": sub.worker if sub is not None else name,
                     "dp_rank": sub.dp_rank if sub is not None else None,
-                    "role": self._roles.get(name, sub.role if sub is not None else "both"),
+                    "role": self._roles.get(name, sub.role if sub is not None else WorkerRole.BOTH).value,
                     "state": st.state.value if st is not None else "live",
                     "blocks": blocks,
                     "blocks_held": blocks,
@@ -673,7 +673,7 @@ class RouterService:
             samples = [
                 WorkerSample(
                     name=name,
-                    role=self._roles.get(name, "both"),
+                    role=self._roles.get(name, WorkerRole.BOTH).value,
                     state=st.state.value,
                     batches_applied=st.batches_applied,
                     events_applied=st.events_applied,

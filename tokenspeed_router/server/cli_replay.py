@@ -35,6 +35,7 @@ import msgspec
 from tokenspeed_router.errors import ConfigError, EventLogError, WireError
 from tokenspeed_router.events.codec import BatchDecoder
 from tokenspeed_router.events.log import LOG_MAGIC, EventLogReader, LogRecord, open_event_source
+from tokenspeed_router.router.router import WorkerRole
 from tokenspeed_router.server.cli_serve import (
     add_listener_arguments,
     config_from_args,
@@ -229,7 +230,7 @@ def answer_queries(service: Any, lines: Iterable[str], out: IO[str]) -> int:
     return n
 
 
-def _roles_from_meta(path: str) -> dict[str, str]:
+def _roles_from_meta(path: str) -> dict[str, WorkerRole]:
     """Worker roles recorded by ``serve --record`` in the log header (else empty)."""
     from tokenspeed_router.server.config import WorkerSpec
 
@@ -241,7 +242,7 @@ def _roles_from_meta(path: str) -> dict[str, str]:
             meta = reader.meta
     except (EventLogError, OSError):
         return {}
-    roles: dict[str, str] = {}
+    roles: dict[str, WorkerRole] = {}
     for data in meta.get("workers", []) or []:
         try:
             spec = WorkerSpec.from_mapping(data)

@@ -34,11 +34,13 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.events.curve import CurveClientKeys
+from tokenspeed_router.events.frames import offset_endpoint_port
 from tokenspeed_router.gateway.config import GatewayConfig
+from tokenspeed_router.router.router import WorkerRole
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -47,10 +49,8 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 __all__ = [
     "ENV_PREFIX",
-    "ROLES",
     "ApiLimits",
     "HostPort",
-    "Role",
     "ServerConfig",
     "SubscriberSpec",
     "WorkerSpec",
@@ -62,8 +62,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Role = Literal["prefill", "decode", "both"]
-ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 ENV_PREFIX = "TOKENSPEED_ROUTER_"
 
 #: keys a worker spec accepts (``--worker k=v,...``, a ``[[workers]]`` table, PUT /workers body)
@@ -120,21 +118,19 @@ def parse_endpoint(
 
 
 def endpoint_with_port_offset(endpoint: str, offset: int) -> str:
-    """``tcp://h:5557`` + 2 -> ``tcp://h:5559`` (vLLM/TokenSpeed DP-rank convention, DESIGN §3)."""
-    if offset == 0:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{offset}"
-    m = _TCP_RE.match(endpoint)
-    if m is None or m.group("port") == "*":
+    """``tcp://h:5557`` + 2 -> ``tcp://h:5559`` (the engines' DP-rank rule, ``events.frames``).
+
+    Endpoints the rule cannot offset (``ipc://``, a port past 65535) are a
+    :class:`ConfigError` here: a worker spec is configuration.
+    """
+    try:
+        out = offset_endpoint_port(endpoint, offset)
+    except ValueError as err:
         raise ConfigError(
-            f"endpoint {endpoint!r}: data-parallel ranks need tcp://HOST:PORT "
-            "(ranks publish on port + rank)"
-        )
-    port = int(m.group("port")) + offset
-    if port > 65535:
-        raise ConfigError(f"endpoint {endpoint!r} + rank {offset} exceeds port 65535")
-    return f"tcp://{m.group('host')}:{port}"
+            f"endpoint {endpoint!r}, data-parallel rank {offset}: {err} (ranks need tcp://HOST:PORT, port + rank)"
+        ) from None
+    assert out is not None
+    return out
 
 
 @dataclass(frozen=True)
@@ -195,7 +191,7 @@ class SubscriberSpec:
     events: str
     replay: str | None
     topic: str
-    role: Role
+    role: WorkerRole
     curve: CurveClientKeys | None = None
     """CURVE client keys when the publisher (a relay) is a CURVE server."""
 
@@ -214,7 +210,7 @@ class WorkerSpec:
     name: str
     events: str
     replay: str | None = None
-    role: Role = "both"
+    role: WorkerRole = WorkerRole.BOTH
     dp_ranks: int = 1
     topic: str = ""
     url: str | None = None
@@ -231,8 +227,7 @@ class WorkerSpec:
         parse_endpoint(self.events, what=f"{what} events", connect=True)
         if self.replay is not None:
             parse_endpoint(self.replay, what=f"{what} replay", connect=True)
-        if self.role not in ROLES:
-            raise ConfigError(f"{what}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        object.__setattr__(self, "role", _parse_role(self.role, what))  # "decode" -> WorkerRole.DECODE
         if isinstance(self.dp_ranks, bool) or not isinstance(self.dp_ranks, int):
             raise ConfigError(f"{what}: dp_ranks must be an integer, got {self.dp_ranks!r}")
         if not 1 <= self.dp_ranks <= MAX_DP_RANKS:
@@ -305,7 +300,7 @@ class WorkerSpec:
             name=values["name"],
             events=values["events"],
             replay=replay,
-            role=values.get("role", "both") or "both",
+            role=_parse_role(values.get("role") or "both", source),
             dp_ranks=dp_ranks,
             topic=values.get("topic", "") or "",
             url=url,
@@ -340,7 +335,15 @@ class WorkerSpec:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "role": self.role.value}
+
+
+def _parse_role(value: Any, source: str) -> WorkerRole:
+    try:
+        return WorkerRole(value)
+    except ValueError:
+        known = ", ".join(r.value for r in WorkerRole)
+        raise ConfigError(f"{source}: role must be one of {known}, got {value!r}") from None
 
 
 # --------------------------------------------------------------------------- service
