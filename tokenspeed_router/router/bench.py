@@ -232,41 +232,8 @@ def _rss() -> int:
 
 
 def retained_bytes(index: KvIndex) -> int:
-    """Bytes the index keeps alive: its dicts and sets plus every distinct int in them.
-
-    Small ints (-5..256) are interpreter singletons and cost nothing; the
-    worker bit masks are shared objects and counted once.
-    """
-    seen: set[int] = set()
-    total = 0
-
-    def obj(o: Any) -> None:
-        nonlocal total
-        if type(o) is int and -5 <= o <= 256:
-            return
-        i = id(o)
-        if i not in seen:
-            seen.add(i)
-            total += sys.getsizeof(o)
-
-    holders = index._holders
-    total += sys.getsizeof(holders)
-    for k, v in holders.items():
-        obj(k)
-        obj(v)
-    for ws in index._workers.values():
-        maps: tuple[dict[Any, int], ...] = (ws.ext, ws.tiers, ws.refs)
-        for d in maps:
-            total += sys.getsizeof(d)
-            for key, val in d.items():
-                obj(key)
-                obj(val)
-        if ws.cold is not None:
-            total += ws.cold.nbytes
-        total += sys.getsizeof(ws.unm)
-        for k in ws.unm:
-            obj(k)
-    return total
+    """Bytes the index keeps alive (``KvIndex.memory_bytes``: its core's tables)."""
+    return index.memory_bytes()
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -318,9 +285,8 @@ def bench_index(wl: Workload, args: argparse.Namespace) -> tuple[KvIndex, dict[s
         "rss_delta_bytes_per_block": round((rss1 - rss0) / wl.stored_blocks, 1),
         "distinct_blocks": index.num_distinct_blocks(),
     }
-    # The same ingestion without compaction (all external ids in dicts):
-    # faster writes, more memory; the operator's trade-off, measured alike.
-    plain = KvIndex(compact_min=sys.maxsize)
+    # The same ingestion on the pure-Python reference core, measured alike.
+    plain = KvIndex(core="reference")
     t = _now()
     for name, batch in wl.events:
         plain.apply(name, batch)
