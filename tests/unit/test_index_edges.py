@@ -422,3 +422,27 @@ def test_native_core_is_compact(core: str) -> None:
         assert index.match(tokens) == {"w": 4000}
         per_block[kind] = index.memory_bytes() / 4000
     assert per_block["native"] < 80 < per_block["reference"]
+
+
+def test_pre_hashed_stores_index_the_given_content_hashes() -> None:
+    """A relay's --hashes-only mode (DESIGN §12): no token ids, block_hashes are content hashes."""
+    ids = block_hashes(TOKENS, BS)
+    index = KvIndex()
+    index.apply("relay", batch(BlockStored(block_hashes=ids[:2], parent_block_hash=None, token_ids=[], block_size=BS)))
+    index.apply("relay", batch(BlockStored(block_hashes=ids[2:4], parent_block_hash=ids[1], token_ids=[], block_size=BS)))
+    index.apply("plain", batch(stored([7, 8, 9], TOKENS[:12])))
+    assert index.match(TOKENS) == {"relay": 4, "plain": 3}
+    assert index.block_size_of("relay") == BS
+    index.apply("relay", batch(BlockRemoved(block_hashes=[ids[2]])))
+    assert index.match(TOKENS) == {"relay": 2, "plain": 3}
+    with pytest.raises(UnknownParentError):
+        index.apply("relay", batch(BlockStored(block_hashes=[ids[5]], parent_block_hash=ids[4], token_ids=[], block_size=BS)))
+    assert KvIndex.restore(index.snapshot()).match(TOKENS) == {"relay": 2, "plain": 3}
+
+
+def test_pre_hashed_stores_reject_non_u64_ids_before_any_change() -> None:
+    index = KvIndex()
+    for bad_ids, parent in (([b"x" * 8], None), ([-1], None), ([1], b"p")):
+        with pytest.raises(WireError):
+            index.apply("relay", batch(BlockStored(block_hashes=bad_ids, parent_block_hash=parent, token_ids=[], block_size=BS)))
+    assert index.workers() == []
