@@ -163,6 +163,21 @@ static Py_ssize_t tab_insert(Tab *t, u64 k, u8 meta) {
     return (Py_ssize_t)i;
 }
 
+/* Make room for `extra` more keys without a rehash (so slots stay put while prefetched). */
+static int tab_reserve(Tab *t, size_t extra) {
+    size_t cap = t->cap ? t->cap : 8;
+    while ((t->len + extra) * 4 > cap * 3) cap *= 2;
+    if (cap == t->cap) return 0;
+    return tab_rehash(t, cap, t->nval);
+}
+
+static inline void tab_prefetch(const Tab *t, u64 k) {
+    if (!t->cap) return;
+    size_t i = tab_home(t, k);
+    __builtin_prefetch(&t->meta[i]);
+    __builtin_prefetch(&t->keys[i]);
+}
+
 static void tab_erase_at(Tab *t, size_t i) {
     size_t m = t->cap - 1, j = i;
     for (;;) {
@@ -267,6 +282,37 @@ static void hold_set(Core *c, int s, u64 content) {
     log_push(c, U_HOLD_SET, s, content, 0, 0);
 }
 
+/* Set slot s's bit on content (one probe); 1 if it was not set. */
+static int hold_add(Core *c, int s, u64 content) {
+    Tab *t = &c->glob;
+    size_t W = W_OF(c);
+    Py_ssize_t i = -1;
+    if (t->cap && (t->len + 1) * 4 <= t->cap * 3) {
+        size_t m = t->cap - 1, j = tab_home(t, content);
+        while (t->meta[j] && t->keys[j] != content) j = (j + 1) & m;
+        if (!t->meta[j]) {
+            t->keys[j] = content;
+            t->meta[j] = M_USED;
+            memset(t->vals + j * W, 0, W * sizeof(u64));
+            t->len++;
+        }
+        i = (Py_ssize_t)j;
+    } else {
+        i = tab_find(t, content);
+        if (i < 0) i = tab_insert(t, content, 0);
+        if (i < 0) {
+            c->oom = 1;
+            return 0;
+        }
+    }
+    u64 *v = t->vals + (size_t)i * W + (s >> 6);
+    u64 bit = (u64)1 << (s & 63);
+    if (*v & bit) return 0;
+    *v |= bit;
+    log_push(c, U_HOLD_SET, s, content, 0, 0);
+    return 1;
+}
+
 static void hold_clr(Core *c, int s, u64 content) {
     Py_ssize_t i = tab_find(&c->glob, content);
     if (i < 0) return;
@@ -366,8 +412,7 @@ static int hold_block(Core *c, int s, u64 key, u8 kind, u64 content, int unm, u8
     u64 ck = ckey_of(content, unm);
     int fresh;
     if (!unm) {
-        fresh = !hold_test(c, s, content);
-        if (fresh) hold_set(c, s, content);
+        fresh = hold_add(c, s, content);
     } else {
         fresh = !aux_has(w, ck);
     }
@@ -908,13 +953,21 @@ static PyObject *Core_store(Core *c, PyObject *args) {
         }
     }
     if (!unknown) {
+        /* Hash every block first, prefetching the table slots each will touch,
+         * then insert: the inserts' cache misses overlap instead of queueing. */
+        Worker *w = &c->w[s];
+        if (tab_reserve(&w->ext, (size_t)n) < 0 || tab_reserve(&c->glob, (size_t)n) < 0) c->oom = 1;
         for (Py_ssize_t i = 0; i < n; i++) {
-            int tail = i >= nfull;
-            if (!tail)
+            if (i < nfull)
                 h = chain(toks + i * bs, (size_t)bs, h);
             else
                 h = chain(toks + nfull * bs, (size_t)(ntok - nfull * bs), h);
-            int r = hold_block(c, s, keys[i], kinds[i], h, unm || tail, (u8)tier);
+            toks[i] = h; /* block i's tokens are consumed: reuse the buffer for its hash */
+            tab_prefetch(&w->ext, keys[i]);
+            tab_prefetch(&c->glob, h);
+        }
+        for (Py_ssize_t i = 0; i < n && !c->oom; i++) {
+            int r = hold_block(c, s, keys[i], kinds[i], toks[i], unm || i >= nfull, (u8)tier);
             added += r;
             dup += 1 - r;
         }
@@ -1056,6 +1109,16 @@ static PyObject *Core_remove(Core *c, PyObject *args) {
     PyThreadState *ts = NULL;
     if (n >= RELEASE_GIL_BLOCKS) ts = PyEval_SaveThread();
     wlock(c);
+    {
+        /* Two prefetch passes (external ids, then their contents) so the
+         * removals below find their slots in cache. */
+        Worker *w = &c->w[s];
+        for (Py_ssize_t i = 0; i < n; i++) tab_prefetch(&w->ext, keys[i]);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t j = tab_find(&w->ext, keys[i]);
+            if (j >= 0) tab_prefetch(&c->glob, w->ext.vals[j]);
+        }
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         int mm = 0;
         int r = valid[i] ? drop_block(c, s, keys[i], (u8)tier, unspecified, &mm) : -1;
