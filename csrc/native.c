@@ -398,9 +398,24 @@ static inline int aux_has(const Worker *w, u64 ckey) { return tab_find(&w->aux, 
 /* Record that slot s holds content as external key on tier `code`: 1 new, 0 duplicate. */
 static int hold_block(Core *c, int s, u64 key, u8 kind, u64 content, int unm, u8 code) {
     Worker *w = &c->w[s];
-    Py_ssize_t i = tab_find(&w->ext, key);
+    Tab *t = &w->ext;
     u32 refs;
     u8 cur;
+    if (t->cap && (t->len + 1) * 4 <= t->cap * 3) {
+        /* one probe: either the key's slot or the empty slot it goes to */
+        size_t m = t->cap - 1, j = tab_home(t, key);
+        while (t->meta[j] && t->keys[j] != key) j = (j + 1) & m;
+        if (!t->meta[j]) {
+            t->keys[j] = key;
+            t->meta[j] = kind | (unm ? M_UNM : 0) | M_USED;
+            t->vals[j] = content;
+            t->len++;
+            if (!unm) w->n_matchable++;
+            log_push(c, U_EXT_INS, s, key, 0, 0);
+            goto fresh_ext;
+        }
+    }
+    Py_ssize_t i = tab_find(&w->ext, key);
     if (i >= 0) {
         int punm = (w->ext.meta[i] & M_UNM) != 0;
         u64 ck = ckey_of(w->ext.vals[i], punm);
@@ -409,6 +424,7 @@ static int hold_block(Core *c, int s, u64 key, u8 kind, u64 content, int unm, u8
         return 0;
     }
     if (ext_put(c, s, key, content, kind | (unm ? M_UNM : 0)) < 0) return 0;
+fresh_ext:;
     u64 ck = ckey_of(content, unm);
     int fresh;
     if (!unm) {
