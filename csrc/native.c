@@ -695,6 +695,83 @@ fail:
     return NULL;
 }
 
+/* One token id (strict: refuse negatives and ids >= 2**64). */
+static inline int conv_item(PyObject *it, int strict, u64 *out) {
+    u64 v;
+    if (PyLong_CheckExact(it) && small_int(it, &v)) {
+        *out = v;
+        return 0;
+    }
+    if (PyLong_Check(it)) {
+        v = strict ? PyLong_AsUnsignedLongLong(it) : PyLong_AsUnsignedLongLongMask(it);
+    } else {
+        PyObject *ix = PyNumber_Index(it);
+        if (!ix) return -1;
+        v = strict ? PyLong_AsUnsignedLongLong(ix) : PyLong_AsUnsignedLongLongMask(ix);
+        Py_DECREF(ix);
+    }
+    if (v == (u64)-1 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+/* A query's tokens: a buffer converted at once, or a list/tuple converted
+ * lazily (with the GIL held) as far as the walk gets: a prompt that stops
+ * matching after 32 blocks costs 32 blocks of conversion, not 32k tokens. */
+typedef struct {
+    u64 *buf;
+    Py_ssize_t ntok, nconv;
+    PyObject *seq;     /* list/tuple being converted lazily, or NULL */
+    int err;           /* a conversion failed: exception set */
+    int slow;          /* an item is not an int: convert it all first, outside the lock */
+} Toks;
+
+static int toks_open(PyObject *obj, Toks *t) {
+    memset(t, 0, sizeof(*t));
+    if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
+        t->ntok = PySequence_Fast_GET_SIZE(obj);
+        t->buf = malloc((size_t)(t->ntok ? t->ntok : 1) * sizeof(u64));
+        if (!t->buf) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        Py_INCREF(obj);
+        t->seq = obj;
+        return 0;
+    }
+    t->buf = tokens_from(obj, &t->ntok, 1);
+    if (!t->buf) return -1;
+    t->nconv = t->ntok;
+    return 0;
+}
+
+static void toks_close(Toks *t) {
+    free(t->buf);
+    Py_CLEAR(t->seq);
+}
+
+static inline int toks_need(Toks *t, Py_ssize_t upto) {
+    if (upto <= t->nconv) return 1;
+    if (t->err) return 0;
+    Py_ssize_t want = upto < t->nconv + 256 ? t->nconv + 256 : upto;
+    if (want > t->ntok) want = t->ntok;
+    PyObject **items = PySequence_Fast_ITEMS(t->seq);
+    for (Py_ssize_t i = t->nconv; i < want; i++) {
+        /* Under the index lock no Python code may run (an __index__ could wait
+         * for the GIL held by a writer waiting for this lock): ints only here. */
+        if (!PyLong_Check(items[i])) {
+            t->slow = 1;
+            return 0;
+        }
+        if (conv_item(items[i], 1, &t->buf[i]) < 0) {
+            t->err = 1;
+            return 0;
+        }
+    }
+    t->nconv = want;
+    return 1;
+}
+
 /* External id (u64 int, negative int, or bytes) -> table key + kind flag. */
 static int ext_key(PyObject *o, u64 *key, u8 *kind) {
     if (PyLong_Check(o)) {
@@ -1217,12 +1294,16 @@ typedef struct {
 } MatchOut;
 
 /* Walk every block-size group; lock held by the caller. */
-static void walk(Core *c, const u64 *toks, Py_ssize_t ntok, u64 root, int detail, MatchOut *out) {
+#define MATCH_AHEAD 8 /* blocks hashed (and their slots prefetched) ahead of the lookup */
+
+/* Walk every block-size group; lock held by the caller. */
+static void walk(Core *c, Toks *t, u64 root, int detail, MatchOut *out) {
     size_t W = W_OF(c);
     u64 group[8], alive[8], m[8]; /* up to 512 worker slots */
     if (W > 8) W = 8;
     long done_sizes[64];
     int ndone = 0;
+    Py_ssize_t ntok = t->ntok;
     u64 *hashes = NULL;
     for (int oi = 0; oi < c->norder; oi++) {
         long bs = c->w[c->order[oi]].block_size;
@@ -1238,22 +1319,25 @@ static void walk(Core *c, const u64 *toks, Py_ssize_t ntok, u64 root, int detail
         }
         Py_ssize_t nfull = ntok / bs;
         if (!nfull || !c->glob.len) continue;
-        if (detail) {
-            free(hashes);
-            hashes = malloc((size_t)nfull * sizeof(u64));
-            if (!hashes) {
-                c->oom = 1;
-                return;
-            }
+        free(hashes);
+        hashes = malloc((size_t)nfull * sizeof(u64));
+        if (!hashes) {
+            c->oom = 1;
+            return;
         }
         memcpy(alive, group, sizeof(alive));
-        u64 h = root;
-        Py_ssize_t depth = 0;
+        u64 hc = root;
+        Py_ssize_t nh = 0, depth = 0;
         int any = 1;
         for (; depth < nfull && any; depth++) {
-            h = chain(toks + depth * bs, (size_t)bs, h);
-            if (hashes) hashes[depth] = h;
-            Py_ssize_t i = tab_find(&c->glob, h);
+            while (nh < nfull && nh <= depth + MATCH_AHEAD) {
+                if (!toks_need(t, (nh + 1) * bs)) break;
+                hc = chain(t->buf + nh * bs, (size_t)bs, hc);
+                hashes[nh++] = hc;
+                tab_prefetch(&c->glob, hc);
+            }
+            if (depth >= nh) break; /* a bad token: the caller raises */
+            Py_ssize_t i = tab_find(&c->glob, hashes[depth]);
             if (i < 0)
                 memset(m, 0, sizeof(m));
             else
@@ -1284,16 +1368,16 @@ static void walk(Core *c, const u64 *toks, Py_ssize_t ntok, u64 root, int detail
                 Worker *w = &c->w[s];
                 if (w->block_size != bs) continue;
                 long sc = out->scores[s];
-                long *t = out->tiers + 3 * s;
+                long *tc = out->tiers + 3 * s;
                 if (!w->n_aux_tier) {
-                    t[0] = sc;
+                    tc[0] = sc;
                     continue;
                 }
                 for (long j = 0; j < sc; j++) {
                     u32 refs;
                     u8 tiers;
                     aux_get(w, hashes[j], &refs, &tiers);
-                    t[(tiers & GPU) ? 0 : (tiers & CPU) ? 1 : 2]++;
+                    tc[(tiers & GPU) ? 0 : (tiers & CPU) ? 1 : 2]++;
                 }
             }
         }
@@ -1307,9 +1391,9 @@ static PyObject *do_match(Core *c, PyObject *args, int detail) {
     PyObject *tokens;
     unsigned long long root;
     if (!PyArg_ParseTuple(args, "OK", &tokens, &root)) return NULL;
-    Py_ssize_t ntok;
-    u64 *toks = tokens_from(tokens, &ntok, 1);
-    if (!toks) return NULL;
+    Toks toks;
+    if (toks_open(tokens, &toks) < 0) return NULL;
+    Py_ssize_t ntok = toks.ntok;
     MatchOut out;
     PyObject *result = NULL;
     for (;;) {
@@ -1320,28 +1404,47 @@ static PyObject *do_match(Core *c, PyObject *args, int detail) {
         if (!out.scores || !out.tiers) {
             free(out.scores);
             free(out.tiers);
-            free(toks);
+            toks_close(&toks);
             return PyErr_NoMemory();
         }
         u64 version;
-        if (ntok >= RELEASE_GIL_TOKENS) {
+        if (ntok >= RELEASE_GIL_TOKENS && !toks.seq) {
+            /* a buffer needs no Python object: hash and walk without the GIL */
             Py_BEGIN_ALLOW_THREADS
             rlock(c);
             version = c->version;
-            if (c->nslots == ns) walk(c, toks, ntok, root, detail, &out);
+            if (c->nslots == ns) walk(c, &toks, root, detail, &out);
             unlock(c);
             Py_END_ALLOW_THREADS
         } else {
             rlock(c);
             version = c->version;
-            walk(c, toks, ntok, root, detail, &out);
+            walk(c, &toks, root, detail, &out);
             unlock(c);
+        }
+        if (toks.err || toks.slow) {
+            free(out.scores);
+            free(out.tiers);
+            if (toks.err) {
+                toks_close(&toks);
+                return NULL;
+            }
+            /* items that are not ints (numpy scalars, ...): convert all now, then walk again */
+            PyObject *seq = toks.seq;
+            Py_INCREF(seq);
+            toks_close(&toks);
+            memset(&toks, 0, sizeof(toks));
+            toks.buf = tokens_from(seq, &toks.ntok, 1);
+            Py_DECREF(seq);
+            if (!toks.buf) return NULL;
+            toks.nconv = toks.ntok;
+            continue;
         }
         if (version == c->version && ns == c->nslots) break;
         free(out.scores); /* the set of workers changed meanwhile: answer again */
         free(out.tiers);
     }
-    free(toks);
+    toks_close(&toks);
     if (c->oom) {
         c->oom = 0;
         free(out.scores);
