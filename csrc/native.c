@@ -176,6 +176,7 @@ static inline void tab_prefetch(const Tab *t, u64 k) {
     size_t i = tab_home(t, k);
     __builtin_prefetch(&t->meta[i]);
     __builtin_prefetch(&t->keys[i]);
+    __builtin_prefetch(&t->vals[i * t->nval]);
 }
 
 static void tab_erase_at(Tab *t, size_t i) {
@@ -197,6 +198,94 @@ static void tab_erase_at(Tab *t, size_t i) {
 }
 
 static size_t tab_bytes(const Tab *t) { return t->cap * (sizeof(u64) * (1 + t->nval) + 1); }
+
+/* ------------------------------------------------------------------ global table */
+
+/* content id -> worker mask, entries of 1 + W words {content, mask[W]} in one
+ * array. A slot is empty when its mask is all zero (a held content always has
+ * a bit set), so a lookup touches a single cache line. Linear probing,
+ * backward-shift deletion, load <= 3/4. */
+typedef struct {
+    u64 *e;
+    size_t cap, len, W;
+    int shift;
+} GTab;
+
+static inline size_t g_home(const GTab *t, u64 k) { return (size_t)((k * 0x9E3779B97F4A7C15ULL) >> t->shift); }
+
+static inline int g_empty(const u64 *p, size_t W) {
+    if (W == 1) return !p[1];
+    for (size_t k = 1; k <= W; k++)
+        if (p[k]) return 0;
+    return 1;
+}
+
+static inline Py_ssize_t g_find(const GTab *t, u64 k) {
+    if (!t->len) return -1;
+    size_t m = t->cap - 1, i = g_home(t, k), st = 1 + t->W;
+    for (;;) {
+        const u64 *p = t->e + i * st;
+        if (g_empty(p, t->W)) return -1;
+        if (p[0] == k) return (Py_ssize_t)i;
+        i = (i + 1) & m;
+    }
+}
+
+static inline void g_prefetch(const GTab *t, u64 k) {
+    if (t->cap) __builtin_prefetch(t->e + g_home(t, k) * (1 + t->W));
+}
+
+static void g_free(GTab *t) {
+    free(t->e);
+    t->e = NULL;
+    t->cap = t->len = 0;
+}
+
+static int g_rehash(GTab *t, size_t cap, size_t W) {
+    int lg = 3;
+    while (((size_t)1 << lg) < cap) lg++;
+    cap = (size_t)1 << lg;
+    size_t st = 1 + W, ost = 1 + t->W;
+    u64 *e = calloc(cap * st, sizeof(u64));
+    if (!e) return -1;
+    size_t m = cap - 1, copy = W < t->W ? W : t->W;
+    for (size_t i = 0; i < t->cap; i++) {
+        const u64 *p = t->e + i * ost;
+        if (g_empty(p, t->W)) continue;
+        size_t j = (size_t)((p[0] * 0x9E3779B97F4A7C15ULL) >> (64 - lg));
+        while (!g_empty(e + j * st, W)) j = (j + 1) & m;
+        e[j * st] = p[0];
+        memcpy(e + j * st + 1, p + 1, copy * sizeof(u64));
+    }
+    free(t->e);
+    t->e = e;
+    t->cap = cap;
+    t->W = W;
+    t->shift = 64 - lg;
+    return 0;
+}
+
+static int g_reserve(GTab *t, size_t extra) {
+    size_t cap = t->cap ? t->cap : 8;
+    while ((t->len + extra) * 4 > cap * 3) cap *= 2;
+    return cap == t->cap ? 0 : g_rehash(t, cap, t->W);
+}
+
+static void g_erase_at(GTab *t, size_t i) {
+    size_t m = t->cap - 1, j = i, st = 1 + t->W;
+    for (;;) {
+        j = (j + 1) & m;
+        u64 *pj = t->e + j * st;
+        if (g_empty(pj, t->W)) break;
+        size_t h = g_home(t, pj[0]);
+        if (((j - h) & m) >= ((j - i) & m)) {
+            memcpy(t->e + i * st, pj, st * sizeof(u64));
+            i = j;
+        }
+    }
+    memset(t->e + i * st, 0, st * sizeof(u64));
+    t->len--;
+}
 
 /* ------------------------------------------------------------------ core */
 
@@ -227,7 +316,7 @@ typedef struct {
     int *order; /* registration order of used slots */
     int norder;
     PyObject *slot_of; /* name -> int slot */
-    Tab glob;          /* nval = W */
+    GTab glob;
     u64 version;
     Undo *log;
     size_t nlog, caplog;
@@ -235,7 +324,7 @@ typedef struct {
     int oom;
 } Core;
 
-#define W_OF(c) ((c)->glob.nval)
+#define W_OF(c) ((c)->glob.W)
 
 static inline void wlock(Core *c) { pthread_rwlock_wrlock(&c->lock); }
 static inline void rlock(Core *c) { pthread_rwlock_rdlock(&c->lock); }
@@ -263,68 +352,44 @@ static void log_push(Core *c, u8 op, int slot, u64 key, u64 val, u8 meta) {
 
 /* ---- holders */
 
-static inline int hold_test(Core *c, int s, u64 content) {
-    Py_ssize_t i = tab_find(&c->glob, content);
-    if (i < 0) return 0;
-    return (c->glob.vals[(size_t)i * W_OF(c) + (s >> 6)] >> (s & 63)) & 1;
-}
-
-static void hold_set(Core *c, int s, u64 content) {
-    Py_ssize_t i = tab_find(&c->glob, content);
-    if (i < 0) {
-        i = tab_insert(&c->glob, content, 0);
-        if (i < 0) {
-            c->oom = 1;
-            return;
-        }
-    }
-    c->glob.vals[(size_t)i * W_OF(c) + (s >> 6)] |= (u64)1 << (s & 63);
-    log_push(c, U_HOLD_SET, s, content, 0, 0);
-}
-
 /* Set slot s's bit on content (one probe); 1 if it was not set. */
 static int hold_add(Core *c, int s, u64 content) {
-    Tab *t = &c->glob;
-    size_t W = W_OF(c);
-    Py_ssize_t i = -1;
-    if (t->cap && (t->len + 1) * 4 <= t->cap * 3) {
-        size_t m = t->cap - 1, j = tab_home(t, content);
-        while (t->meta[j] && t->keys[j] != content) j = (j + 1) & m;
-        if (!t->meta[j]) {
-            t->keys[j] = content;
-            t->meta[j] = M_USED;
-            memset(t->vals + j * W, 0, W * sizeof(u64));
-            t->len++;
-        }
-        i = (Py_ssize_t)j;
-    } else {
-        i = tab_find(t, content);
-        if (i < 0) i = tab_insert(t, content, 0);
-        if (i < 0) {
-            c->oom = 1;
-            return 0;
-        }
+    GTab *t = &c->glob;
+    if (g_reserve(t, 1) < 0) {
+        c->oom = 1;
+        return 0;
     }
-    u64 *v = t->vals + (size_t)i * W + (s >> 6);
+    size_t W = t->W, st = 1 + W, m = t->cap - 1, i = g_home(t, content);
+    u64 *p;
+    for (;;) {
+        p = t->e + i * st;
+        if (g_empty(p, W)) {
+            p[0] = content;
+            t->len++;
+            break;
+        }
+        if (p[0] == content) break;
+        i = (i + 1) & m;
+    }
     u64 bit = (u64)1 << (s & 63);
-    if (*v & bit) return 0;
-    *v |= bit;
+    if (p[1 + (s >> 6)] & bit) return 0;
+    p[1 + (s >> 6)] |= bit;
     log_push(c, U_HOLD_SET, s, content, 0, 0);
     return 1;
 }
 
+static void hold_set(Core *c, int s, u64 content) { hold_add(c, s, content); }
+
 static void hold_clr(Core *c, int s, u64 content) {
-    Py_ssize_t i = tab_find(&c->glob, content);
+    GTab *t = &c->glob;
+    Py_ssize_t i = g_find(t, content);
     if (i < 0) return;
-    size_t W = W_OF(c);
-    u64 *v = c->glob.vals + (size_t)i * W;
+    u64 *p = t->e + (size_t)i * (1 + t->W);
     u64 bit = (u64)1 << (s & 63);
-    if (!(v[s >> 6] & bit)) return;
-    v[s >> 6] &= ~bit;
+    if (!(p[1 + (s >> 6)] & bit)) return;
+    p[1 + (s >> 6)] &= ~bit;
     log_push(c, U_HOLD_CLR, s, content, 0, 0);
-    for (size_t k = 0; k < W; k++)
-        if (v[k]) return;
-    tab_erase_at(&c->glob, (size_t)i);
+    if (g_empty(p, t->W)) g_erase_at(t, (size_t)i);
 }
 
 /* ---- ext entries */
@@ -877,7 +942,7 @@ static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!c) return NULL;
     pthread_rwlock_init(&c->lock, NULL);
     c->slot_of = PyDict_New();
-    c->glob.nval = 1;
+    c->glob.W = 1;
     if (!c->slot_of) {
         Py_DECREF(c);
         return NULL;
@@ -896,7 +961,7 @@ static void Core_dealloc(Core *c) {
     for (int s = 0; s < c->nslots; s++) worker_free(&c->w[s]);
     free(c->w);
     free(c->order);
-    tab_free(&c->glob);
+    g_free(&c->glob);
     free(c->log);
     Py_XDECREF(c->slot_of);
     pthread_rwlock_destroy(&c->lock);
@@ -927,7 +992,7 @@ static PyObject *Core_register(Core *c, PyObject *name) {
         c->nslots++;
     }
     if ((size_t)s >= 64 * W_OF(c)) {
-        if (tab_rehash(&c->glob, c->glob.cap, W_OF(c) + 1) < 0) {
+        if (g_rehash(&c->glob, c->glob.cap, W_OF(c) + 1) < 0) {
             unlock(c);
             return PyErr_NoMemory();
         }
@@ -1049,7 +1114,7 @@ static PyObject *Core_store(Core *c, PyObject *args) {
         /* Hash every block first, prefetching the table slots each will touch,
          * then insert: the inserts' cache misses overlap instead of queueing. */
         Worker *w = &c->w[s];
-        if (tab_reserve(&w->ext, (size_t)n) < 0 || tab_reserve(&c->glob, (size_t)n) < 0) c->oom = 1;
+        if (tab_reserve(&w->ext, (size_t)n) < 0 || g_reserve(&c->glob, (size_t)n) < 0) c->oom = 1;
         for (Py_ssize_t i = 0; i < n; i++) {
             if (i < nfull)
                 h = chain(toks + i * bs, (size_t)bs, h);
@@ -1057,7 +1122,7 @@ static PyObject *Core_store(Core *c, PyObject *args) {
                 h = chain(toks + nfull * bs, (size_t)(ntok - nfull * bs), h);
             toks[i] = h; /* block i's tokens are consumed: reuse the buffer for its hash */
             tab_prefetch(&w->ext, keys[i]);
-            tab_prefetch(&c->glob, h);
+            g_prefetch(&c->glob, h);
         }
         for (Py_ssize_t i = 0; i < n && !c->oom; i++) {
             int r = hold_block(c, s, keys[i], kinds[i], toks[i], unm || i >= nfull, (u8)tier);
@@ -1209,7 +1274,7 @@ static PyObject *Core_remove(Core *c, PyObject *args) {
         for (Py_ssize_t i = 0; i < n; i++) tab_prefetch(&w->ext, keys[i]);
         for (Py_ssize_t i = 0; i < n; i++) {
             Py_ssize_t j = tab_find(&w->ext, keys[i]);
-            if (j >= 0) tab_prefetch(&c->glob, w->ext.vals[j]);
+            if (j >= 0) g_prefetch(&c->glob, w->ext.vals[j]);
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -1294,7 +1359,7 @@ typedef struct {
 } MatchOut;
 
 /* Walk every block-size group; lock held by the caller. */
-#define MATCH_AHEAD 8 /* blocks hashed (and their slots prefetched) ahead of the lookup */
+#define MATCH_AHEAD 16 /* blocks hashed (and their slots prefetched) ahead of the lookup */
 
 /* Walk every block-size group; lock held by the caller. */
 static void walk(Core *c, Toks *t, u64 root, int detail, MatchOut *out) {
@@ -1334,14 +1399,14 @@ static void walk(Core *c, Toks *t, u64 root, int detail, MatchOut *out) {
                 if (!toks_need(t, (nh + 1) * bs)) break;
                 hc = chain(t->buf + nh * bs, (size_t)bs, hc);
                 hashes[nh++] = hc;
-                tab_prefetch(&c->glob, hc);
+                g_prefetch(&c->glob, hc);
             }
             if (depth >= nh) break; /* a bad token: the caller raises */
-            Py_ssize_t i = tab_find(&c->glob, hashes[depth]);
+            Py_ssize_t i = g_find(&c->glob, hashes[depth]);
             if (i < 0)
                 memset(m, 0, sizeof(m));
             else
-                for (size_t k = 0; k < W; k++) m[k] = c->glob.vals[(size_t)i * W_OF(c) + k];
+                for (size_t k = 0; k < W; k++) m[k] = c->glob.e[(size_t)i * (1 + W_OF(c)) + 1 + k];
             any = 0;
             for (size_t k = 0; k < W; k++) {
                 u64 dead = alive[k] & ~m[k];
@@ -1526,7 +1591,7 @@ static PyObject *Core_num_distinct(Core *c, PyObject *unused) { return PyLong_Fr
 
 static PyObject *Core_memory_bytes(Core *c, PyObject *unused) {
     rlock(c);
-    size_t b = tab_bytes(&c->glob) + (size_t)c->nslots * sizeof(Worker);
+    size_t b = c->glob.cap * (1 + c->glob.W) * sizeof(u64) + (size_t)c->nslots * sizeof(Worker);
     for (int s = 0; s < c->nslots; s++) b += tab_bytes(&c->w[s].ext) + tab_bytes(&c->w[s].aux);
     unlock(c);
     return PyLong_FromSize_t(b);

@@ -446,3 +446,19 @@ def test_pre_hashed_stores_reject_non_u64_ids_before_any_change() -> None:
         with pytest.raises(WireError):
             index.apply("relay", batch(BlockStored(block_hashes=bad_ids, parent_block_hash=parent, token_ids=[], block_size=BS)))
     assert index.workers() == []
+
+
+def test_more_workers_than_one_mask_word() -> None:
+    """Past 64 workers the native core widens its holder masks; answers stay exact."""
+    index = KvIndex()
+    names = [f"w{i}" for i in range(130)]
+    for k, name in enumerate(names):
+        index.apply(name, batch(stored(list(range(1, 2 + k % 6)), TOKENS[: (1 + k % 6) * BS])))
+    assert index.match(TOKENS) == {name: 1 + k % 6 for k, name in enumerate(names)}
+    for name in names[::3]:
+        index.remove_worker(name)
+    index.apply("w1", batch(BlockRemoved(block_hashes=[1])))
+    want = {name: 1 + k % 6 for k, name in enumerate(names) if k % 3}
+    want["w1"] = 0
+    assert index.match(TOKENS) == want
+    assert KvIndex.restore(index.snapshot(), core="reference").match(TOKENS) == want
