@@ -582,7 +582,7 @@ def _print(rows: list[dict[str, Any]]) -> None:
         )
         unc = res["uncompacted"]
         print(
-            f"no compaction    {unc['ingest_blocks_per_s']:>12,} blocks/s ingest, "
+            f"reference core   {unc['ingest_blocks_per_s']:>12,} blocks/s ingest, "
             f"{unc['retained_bytes_per_block']} B/block retained"
         )
         dyn = res.get("dynamo", {})
