@@ -736,6 +736,7 @@ static u64 *tokens_from(PyObject *obj, Py_ssize_t *n_out, int strict) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *it = items[i];
         u64 v;
+        if (i + 16 < n) __builtin_prefetch(items[i + 16]);
         if (PyLong_CheckExact(it) && small_int(it, &v)) {
             out[i] = v;
             continue;
@@ -822,6 +823,7 @@ static inline int toks_need(Toks *t, Py_ssize_t upto) {
     if (want > t->ntok) want = t->ntok;
     PyObject **items = PySequence_Fast_ITEMS(t->seq);
     for (Py_ssize_t i = t->nconv; i < want; i++) {
+        if (i + 16 < want) __builtin_prefetch(items[i + 16]); /* int objects live all over the heap */
         /* Under the index lock no Python code may run (an __index__ could wait
          * for the GIL held by a writer waiting for this lock): ints only here. */
         if (!PyLong_Check(items[i])) {
@@ -837,9 +839,29 @@ static inline int toks_need(Toks *t, Py_ssize_t upto) {
     return 1;
 }
 
+static inline int long_sign(PyObject *o) {
+#if PY_VERSION_HEX >= 0x030E0000
+    int sign = 0;
+    PyLong_GetSign(o, &sign);
+    return sign;
+#else
+    return _PyLong_Sign(o);
+#endif
+}
+
 /* External id (u64 int, negative int, or bytes) -> table key + kind flag. */
 static int ext_key(PyObject *o, u64 *key, u8 *kind) {
     if (PyLong_Check(o)) {
+        if (long_sign(o) >= 0) { /* the common case: one conversion */
+            u64 v = PyLong_AsUnsignedLongLong(o);
+            if (v == (u64)-1 && PyErr_Occurred()) {
+                PyErr_SetString(PyExc_ValueError, "block hash out of the 64-bit range");
+                return -1;
+            }
+            *key = v;
+            *kind = 0;
+            return 0;
+        }
         int overflow = 0;
         long long sv = PyLong_AsLongLongAndOverflow(o, &overflow);
         if (overflow == 0) {
