@@ -641,7 +641,7 @@ def main() -> int:
         print(f"{'event_to_visible':<34} {json.dumps(results['event_to_visible'])}", flush=True)
         ws = json.loads(subprocess.run([sys.executable, "-c",
             f"import httpx,json;print(json.dumps(httpx.get('http://127.0.0.1:{http_port}/workers').json()))"],
-            capture_output=True, text=True, check=True).stdout)["workers"]
+            capture_output=True, text=True, check=True).stdout)  # {name: info} (DESIGN §6)
         results["ingest"] = {
             "published_blocks": streamer.published_blocks,
             "events_applied": sum(w["events_applied"] for w in ws.values()),
