@@ -36,6 +36,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include <sys/mman.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,6 +67,31 @@ static inline u64 chain(const u64 *words, size_t n, u64 seed) {
     return XXH3_64bits_withSeed(words, n * sizeof(u64), seed);
 }
 
+/* ------------------------------------------------------------------ memory */
+
+/* Tables of 2 MiB and more are mapped with transparent huge pages requested:
+ * a lookup is a random access, and with 4 KiB pages most of them would also
+ * miss the TLB (which also makes prefetches useless). Zeroed like calloc. */
+#define HUGE_MIN ((size_t)2 << 20)
+
+static void *big_zalloc(size_t bytes) {
+    if (bytes < HUGE_MIN) return calloc(1, bytes ? bytes : 1);
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return NULL;
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    return p;
+}
+
+static void big_free(void *p, size_t bytes) {
+    if (!p) return;
+    if (bytes < HUGE_MIN)
+        free(p);
+    else
+        munmap(p, bytes);
+}
+
 /* ------------------------------------------------------------------ table */
 
 typedef struct {
@@ -91,9 +117,9 @@ static inline Py_ssize_t tab_find(const Tab *t, u64 k) {
 }
 
 static void tab_free(Tab *t) {
-    free(t->keys);
-    free(t->vals);
-    free(t->meta);
+    big_free(t->keys, t->cap * sizeof(u64));
+    big_free(t->vals, t->cap * t->nval * sizeof(u64));
+    big_free(t->meta, t->cap);
     size_t nval = t->nval;
     memset(t, 0, sizeof(*t));
     t->nval = nval;
@@ -103,13 +129,13 @@ static int tab_alloc(Tab *t, size_t cap) {
     int lg = 0;
     while (((size_t)1 << lg) < cap) lg++;
     cap = (size_t)1 << lg;
-    t->keys = malloc(cap * sizeof(u64));
-    t->vals = calloc(cap * t->nval, sizeof(u64));
-    t->meta = calloc(cap, 1);
+    t->keys = big_zalloc(cap * sizeof(u64));
+    t->vals = big_zalloc(cap * t->nval * sizeof(u64));
+    t->meta = big_zalloc(cap);
     if (!t->keys || !t->vals || !t->meta) {
-        free(t->keys);
-        free(t->vals);
-        free(t->meta);
+        big_free(t->keys, cap * sizeof(u64));
+        big_free(t->vals, cap * t->nval * sizeof(u64));
+        big_free(t->meta, cap);
         t->keys = NULL;
         t->vals = NULL;
         t->meta = NULL;
@@ -143,9 +169,9 @@ static int tab_rehash(Tab *t, size_t cap, size_t nval) {
         memcpy(n.vals + j * nval, t->vals + i * t->nval, copy * sizeof(u64));
         n.len++;
     }
-    free(t->keys);
-    free(t->vals);
-    free(t->meta);
+    big_free(t->keys, t->cap * sizeof(u64));
+    big_free(t->vals, t->cap * t->nval * sizeof(u64));
+    big_free(t->meta, t->cap);
     *t = n;
     return 0;
 }
@@ -236,7 +262,7 @@ static inline void g_prefetch(const GTab *t, u64 k) {
 }
 
 static void g_free(GTab *t) {
-    free(t->e);
+    big_free(t->e, t->cap * (1 + t->W) * sizeof(u64));
     t->e = NULL;
     t->cap = t->len = 0;
 }
@@ -246,7 +272,7 @@ static int g_rehash(GTab *t, size_t cap, size_t W) {
     while (((size_t)1 << lg) < cap) lg++;
     cap = (size_t)1 << lg;
     size_t st = 1 + W, ost = 1 + t->W;
-    u64 *e = calloc(cap * st, sizeof(u64));
+    u64 *e = big_zalloc(cap * st * sizeof(u64));
     if (!e) return -1;
     size_t m = cap - 1, copy = W < t->W ? W : t->W;
     for (size_t i = 0; i < t->cap; i++) {
@@ -257,7 +283,7 @@ static int g_rehash(GTab *t, size_t cap, size_t W) {
         e[j * st] = p[0];
         memcpy(e + j * st + 1, p + 1, copy * sizeof(u64));
     }
-    free(t->e);
+    big_free(t->e, t->cap * ost * sizeof(u64));
     t->e = e;
     t->cap = cap;
     t->W = W;
