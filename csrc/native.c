@@ -988,7 +988,14 @@ static int slot_lookup(Core *c, PyObject *name) {
 static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     Core *c = (Core *)type->tp_alloc(type, 0);
     if (!c) return NULL;
-    pthread_rwlock_init(&c->lock, NULL);
+    pthread_rwlockattr_t attr;
+    pthread_rwlockattr_init(&attr);
+#ifdef __GLIBC__
+    /* a steady stream of long (GIL-free) queries must not starve the writer */
+    pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+#endif
+    pthread_rwlock_init(&c->lock, &attr);
+    pthread_rwlockattr_destroy(&attr);
     c->slot_of = PyDict_New();
     c->glob.W = 1;
     if (!c->slot_of) {

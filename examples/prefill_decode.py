@@ -84,7 +84,8 @@ dp_ranks = 2
             doc = list(range(5000, 5000 + 64 * BLOCK))  # a 1,024-token document
             store(prefill[1], doc)  # prefill1 computed it before
             store(decode[1], doc[: 4 * BLOCK])  # decode/dp1 holds its first 64 tokens
-            while client.match(doc)["scores"].get("prefill1") != 64:
+            # both stores are visible before routing (they arrive on different sockets)
+            while (scores := client.match(doc)["scores"]).get("prefill1") != 64 or scores.get("decode/dp1") != 4:
                 threading.Event().wait(0.01)
             long_turn = client.route(doc + [1] * 100, request_id="long")
             print(f"long prompt : prefill on {long_turn['prefill_worker']}, decode on "
