@@ -14,7 +14,12 @@ import time
 import numpy as np
 import pytest
 
-from tokenspeed_router.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from tokenspeed_router.events.schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
 from tokenspeed_router.router.index import NATIVE_AVAILABLE, KvIndex
 
 pytestmark = pytest.mark.skipif(not NATIVE_AVAILABLE, reason="the native core is not built")
