@@ -32,7 +32,7 @@ from __future__ import annotations
 import array
 import functools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NewType
 
 import xxhash
 
@@ -44,6 +44,7 @@ except ImportError:
     _native_hash_blocks = None  # type: ignore[assignment]
 
 __all__ = [
+    "ContentHash",
     "HASH_ALGORITHM",
     "HASH_VERSION",
     "TOKEN_BYTES",
@@ -54,6 +55,12 @@ __all__ = [
     "root_seed",
     "tokens_to_bytes",
 ]
+
+#: The router's own content hash of a block (this module's chain, u64), as
+#: opposed to :data:`~tokenspeed_router.events.schema.BlockHash`, the opaque id
+#: an engine publishes for it. Our own workers publish content hashes as their
+#: ids; vLLM, SGLang and TokenSpeed do not, so the index maps one to the other.
+ContentHash = NewType("ContentHash", int)
 
 HASH_VERSION = 1
 HASH_ALGORITHM = "xxh3_64 seed-chained over u64-LE tokens, v1"
@@ -110,13 +117,13 @@ def tokens_to_bytes(token_ids: Any) -> bytes:
         raise WireError(f"token ids must be integers: {err}") from err
 
 
-def iter_block_hashes(data: bytes, block_size: int, seed: int) -> Iterator[int]:
+def iter_block_hashes(data: bytes, block_size: int, seed: int) -> Iterator[ContentHash]:
     """Yield the chained hash of each *full* block of ``data`` (u64-LE tokens)."""
     step = block_size * TOKEN_BYTES
     h = seed
     for off in range(0, len(data) - step + 1, step):
         h = _xxh3_64(data[off : off + step], h)
-        yield h
+        yield ContentHash(h)
 
 
 def block_hashes(
@@ -127,7 +134,7 @@ def block_hashes(
     lora_id: int | None = None,
     salt: str | bytes | None = None,
     include_partial: bool = False,
-) -> list[int]:
+) -> list[ContentHash]:
     """Chained content hashes of the blocks of ``token_ids``.
 
     ``parent`` continues an existing chain (its hash); otherwise the chain
@@ -139,17 +146,19 @@ def block_hashes(
     seed = root_seed(lora_id, salt) if parent is None else parent
     if _native_hash_blocks is not None and not include_partial:
         try:
-            return _native_hash_blocks(token_ids, block_size, seed)
+            return _native_hash_blocks(token_ids, block_size, seed)  # type: ignore[return-value]
         except (OverflowError, TypeError, ValueError) as err:
             raise WireError(f"token ids must be ints in [0, 2**64): {err}") from err
     return reference_block_hashes(token_ids, block_size, seed, include_partial)
 
 
-def reference_block_hashes(token_ids: Any, block_size: int, seed: int, include_partial: bool = False) -> list[int]:
+def reference_block_hashes(
+    token_ids: Any, block_size: int, seed: int, include_partial: bool = False
+) -> list[ContentHash]:
     """The pure-Python definition of :func:`block_hashes` (from a seed), for tests and fallbacks."""
     data = tokens_to_bytes(token_ids)
     out = list(iter_block_hashes(data, block_size, seed))
     tail = len(data) % (block_size * TOKEN_BYTES)
     if include_partial and tail:
-        out.append(_xxh3_64(data[len(data) - tail :], out[-1] if out else seed))
+        out.append(ContentHash(_xxh3_64(data[len(data) - tail :], out[-1] if out else seed)))
     return out

@@ -438,11 +438,17 @@ def test_pre_hashed_stores_index_the_given_content_hashes() -> None:
     with pytest.raises(UnknownParentError):
         index.apply("relay", batch(BlockStored(block_hashes=[ids[5]], parent_block_hash=ids[4], token_ids=[], block_size=BS)))
     assert KvIndex.restore(index.snapshot()).match(TOKENS) == {"relay": 2, "plain": 3}
+    # an engine's signed view of the same 64 bits names the same content
+    signed = [h - 2**64 if h >= 2**63 else h for h in ids]
+    index.apply("signed", batch(BlockStored(block_hashes=signed[:3], parent_block_hash=None, token_ids=[], block_size=BS)))
+    assert index.match(TOKENS)["signed"] == 3
+    index.apply("signed", batch(BlockRemoved(block_hashes=[signed[1]])))
+    assert index.match(TOKENS)["signed"] == 1
 
 
 def test_pre_hashed_stores_reject_non_u64_ids_before_any_change() -> None:
     index = KvIndex()
-    for bad_ids, parent in (([b"x" * 8], None), ([-1], None), ([1], b"p")):
+    for bad_ids, parent in (([b"x" * 8], None), ([2**64], None), ([-(2**63) - 1], None), ([1], b"p")):
         with pytest.raises(WireError):
             index.apply("relay", batch(BlockStored(block_hashes=bad_ids, parent_block_hash=parent, token_ids=[], block_size=BS)))
     assert index.workers() == []

@@ -163,8 +163,9 @@ def _new_core(kind: str | None) -> tuple[Any, str]:
     raise ValueError(f"unknown index core {kind!r} (native or reference)")
 
 
-def _is_u64(x: object) -> bool:
-    return type(x) is int and 0 <= x <= _M64
+def _is_hash64(x: object) -> bool:
+    """An int in the u64 or i64 range (engines send hashes either way; i64 ones wrap to u64)."""
+    return type(x) is int and -(1 << 63) <= x <= _M64
 
 
 class KvIndex:
@@ -328,8 +329,8 @@ class KvIndex:
                 # Pre-hashed (a relay's --hashes-only mode, DESIGN §12): the ids are
                 # the router's content hashes, the parent is its content hash.
                 p = ev.parent_block_hash
-                if not all(map(_is_u64, hashes)) or not (p is None or _is_u64(p)):
-                    raise WireError(f"worker {worker!r}: pre-hashed BlockStored needs u64 content hashes")
+                if not all(map(_is_hash64, hashes)) or not (p is None or _is_hash64(p)):
+                    raise WireError(f"worker {worker!r}: BlockStored without token ids needs u64 content hashes")
             elif not (n - 1) * bs < num <= n * bs:
                 raise WireError(
                     f"worker {worker!r}: BlockStored with {n} hashes of block size {bs} carries {num} token ids"
@@ -386,7 +387,8 @@ class KvIndex:
             flags = b"\x01" * n if ebs != bs else None  # another grid: kept, never matched
             if flags:
                 counts[_BS_MISMATCHES] += 1
-            got = self._core.store_hashed(worker, hashes, parent, hashes, flags, code)
+            contents = [int(h) & _M64 for h in hashes]  # type: ignore[arg-type]  # ints: validated
+            got = self._core.store_hashed(worker, hashes, parent, contents, flags, code)
         else:
             unmatchable = False
             if ebs != bs and not (n == 1 and num < bs):
