@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 from pathlib import Path
 
 import msgspec
@@ -181,3 +182,35 @@ def test_replay_queries_accept_a_lora_name() -> None:
     assert nonzero(answers[1]["scores"]) == {}
     assert "$.lora_id" in answers[2]["error"]
     service.stop()
+
+
+def test_wait_ingest_loop_wakes_on_start_and_on_stop() -> None:
+    """A state backend that wins the lease during start() waits on an event, not a poll."""
+    results: list[bool] = []
+
+    class EarlySink(LeaderSink):
+        def __init__(self, service: RouterService) -> None:
+            super().__init__(service)
+            assert not service.ingest_loop_running  # built before the loop exists
+            self.waiter = threading.Thread(target=lambda: results.append(service.wait_ingest_loop(30.0)))
+            self.waiter.start()
+
+    sinks: list[EarlySink] = []
+
+    def factory(service: RouterService) -> EarlySink:
+        sinks.append(EarlySink(service))
+        return sinks[-1]
+
+    with RouterService(ServerConfig(http=None), sink_factory=factory) as service:
+        wait_until(lambda: results, 10.0, what="the waiter to wake once the loop runs")
+        assert results == [True] and service.ingest_loop_running
+    sinks[0].waiter.join(5.0)
+
+    # A service that stops while a waiter waits answers False at once, not after the timeout.
+    idle = RouterService(ServerConfig(http=None))
+    late: list[bool] = []
+    waiter = threading.Thread(target=lambda: late.append(idle.wait_ingest_loop(300.0)))
+    waiter.start()
+    idle.stop()
+    waiter.join(10.0)
+    assert late == [False] and not waiter.is_alive()

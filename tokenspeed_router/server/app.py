@@ -52,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
@@ -167,9 +167,9 @@ class RouterService:
         record_source: str = "tokenspeed-router serve",
     ) -> None:
         self.config = config
-        self.index = KvIndex()
-        self.router = Router(self.index, config.router_config())
-        self.ingestor = IndexIngestor(self.index, on_state_change=self._on_state_change)
+        self._index = KvIndex()
+        self._router = Router(self._index, config.router_config())
+        self._ingestor = IndexIngestor(self._index, on_state_change=self._on_state_change)
         self._ingest_lock = threading.RLock()
         self._lock = threading.RLock()  # re-entered by _on_state_change under the writers below
         self.metrics = ServiceMetrics(self._lock)
@@ -193,6 +193,8 @@ class RouterService:
         self._serving = False
         self._stopped = False
         self._ingesting = False
+        #: notified when the ingestion loop starts and when the service stops
+        self._loop_changed = threading.Condition()
         self._state_health: Callable[[], dict[str, Any]] | None = None
         #: the ``source`` written in the header of a ``--record`` log
         self.record_source = record_source
@@ -248,12 +250,14 @@ class RouterService:
         )
         self._loop.start(subs if self._ingesting else [])
         self._serving = True
+        self._notify_loop_changed()
         logger.info("router service started with %d stream(s)", len(subs))
 
     def _abort_start(self) -> None:
         """Undo a partial :meth:`start` (best effort, never raises)."""
         self._stopped = True
         self._serving = False
+        self._notify_loop_changed()
         if self._loop is not None:
             try:
                 self._loop.stop()
@@ -276,6 +280,7 @@ class RouterService:
             return
         self._stopped = True
         self._serving = False
+        self._notify_loop_changed()  # a state backend waiting for the loop gives up now
         if self._loop is not None:
             self._loop.stop()
         if self._sink is not None:
@@ -335,6 +340,40 @@ class RouterService:
     def ingesting(self) -> bool:
         return self._ingesting
 
+    @property
+    def ingest_loop_running(self) -> bool:
+        """True while the ingestion thread runs (subscribed or not)."""
+        return self._loop is not None and self._loop.running
+
+    def wait_ingest_loop(self, timeout_s: float) -> bool:
+        """Block until the ingestion loop runs (True), or the service stops or ``timeout_s`` passes (False).
+
+        A state backend that wins the lease while :meth:`start` is still
+        building the loop waits here instead of polling :meth:`health`.
+        """
+        with self._loop_changed:
+            self._loop_changed.wait_for(lambda: self._stopped or self.ingest_loop_running, timeout_s)
+        return self.ingest_loop_running and not self._stopped
+
+    def _notify_loop_changed(self) -> None:
+        with self._loop_changed:
+            self._loop_changed.notify_all()
+
+    @property
+    def index(self) -> KvIndex:
+        """The block index (replaced whole by a warm start: read it under :meth:`locked`)."""
+        return self._index
+
+    @property
+    def ingestor(self) -> IndexIngestor:
+        """Per-worker ingestion state over :attr:`index`."""
+        return self._ingestor
+
+    @property
+    def router(self) -> Router:
+        """The routing decisions over :attr:`index`."""
+        return self._router
+
     def _require_loop(self) -> IngestLoop:
         if self._loop is None or not self._loop.running:
             raise ApiError(409, "the service is not running its ingestion loop")
@@ -353,10 +392,10 @@ class RouterService:
                 self._ensure_worker(item.worker)
                 if isinstance(item, BatchReceived) and item.replayed:
                     self._replayed[item.worker] = self._replayed.get(item.worker, 0) + 1
-                if not self.index.concurrent_reads:
-                    self.ingestor.on_item(item)
-            if self.index.concurrent_reads:
-                self.ingestor.on_item(item)  # the core locks per event: queries run meanwhile
+                if not self._index.concurrent_reads:
+                    self._ingestor.on_item(item)
+            if self._index.concurrent_reads:
+                self._ingestor.on_item(item)  # the core locks per event: queries run meanwhile
             if isinstance(item, BatchReceived) and item.batch.ts > 0:
                 # publisher's timestamp -> visible to queries (same host clock assumed)
                 self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch.ts))
@@ -368,37 +407,37 @@ class RouterService:
         with self._ingest_lock:
             with self._lock:
                 self._ensure_worker(worker)
-                if not self.index.concurrent_reads:
-                    self.ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
-            if self.index.concurrent_reads:
-                self.ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
+                if not self._index.concurrent_reads:
+                    self._ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
+            if self._index.concurrent_reads:
+                self._ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
 
     def _ensure_worker(self, name: str) -> None:
         # under the lock
         if name not in self._roles:
             sub = self._subs.get(name)
             role = sub.role if sub is not None else WorkerRole.BOTH
-            self.router.add_worker(name, role)
-            self.ingestor.add_worker(name)
+            self._router.add_worker(name, role)
+            self._ingestor.add_worker(name)
             self._roles[name] = role
-            if self.ingestor.is_cold(name):
-                self.router.set_cold(name, True)
+            if self._ingestor.is_cold(name):
+                self._router.set_cold(name, True)
 
     def ensure_worker_locked(self, name: str) -> None:
         """Make ``name`` routable with its current ingestion state (caller holds :meth:`locked`).
 
-        For state backends that fold items into ``self.ingestor`` directly
+        For state backends that fold items into :attr:`ingestor` directly
         (snapshot restore): the router learns the worker and its cold flag.
         """
         self._ensure_worker(name)
         if name not in self._unreachable:
-            self.router.set_cold(name, self.ingestor.is_cold(name) or name in self._distrusted)
+            self._router.set_cold(name, self._ingestor.is_cold(name) or name in self._distrusted)
 
     def _on_state_change(self, worker: str, state: WorkerState) -> None:
         # called by the ingestor, under the ingest lock
         with self._lock:
             if worker in self._roles and worker not in self._unreachable:
-                self.router.set_cold(worker, state is not WorkerState.LIVE or worker in self._distrusted)
+                self._router.set_cold(worker, state is not WorkerState.LIVE or worker in self._distrusted)
 
     def set_distrusted(self, name: str, distrusted: bool) -> None:
         """Route ``name`` on load only (its prefix score ignored) while ``distrusted``.
@@ -412,7 +451,7 @@ class RouterService:
             else:
                 self._distrusted.discard(name)
             if name in self._roles and name not in self._unreachable:
-                self.router.set_cold(name, distrusted or self.ingestor.is_cold(name))
+                self._router.set_cold(name, distrusted or self._ingestor.is_cold(name))
 
     def set_reachable(self, name: str, reachable: bool) -> None:
         """Take ``name`` out of routing (its engine refuses connections) or put it back.
@@ -426,11 +465,11 @@ class RouterService:
             if reachable:
                 if name in self._unreachable:
                     self._unreachable.discard(name)
-                    self.router.add_worker(name, self._roles[name])
-                    self.router.set_cold(name, name in self._distrusted or self.ingestor.is_cold(name))
+                    self._router.add_worker(name, self._roles[name])
+                    self._router.set_cold(name, name in self._distrusted or self._ingestor.is_cold(name))
             elif name not in self._unreachable:
                 self._unreachable.add(name)
-                self.router.remove_worker(name)
+                self._router.remove_worker(name)
 
     def worker_specs(self) -> dict[str, WorkerSpec]:
         """The configured workers (``--worker`` and ``PUT /workers``) by name."""
@@ -443,31 +482,32 @@ class RouterService:
     def _mark_stale(self, name: str) -> None:
         with self._ingest_lock, self._lock:
             self._ensure_worker(name)
-            self.ingestor.mark_stale(name)
+            self._ingestor.mark_stale(name)
 
     def preset_roles(self, roles: Mapping[str, WorkerRole | str]) -> None:
         """Declare roles of workers known only from a log (``replay`` reads them from its header)."""
         with self._ingest_lock, self._lock:
             for name, role in roles.items():
                 if name not in self._roles:
-                    self.router.add_worker(name, role)
-                    self.ingestor.add_worker(name)
+                    self._router.add_worker(name, role)
+                    self._ingestor.add_worker(name)
                     self._roles[name] = WorkerRole(role)
 
     def replace_index(self, index: KvIndex) -> None:
-        """Adopt a restored index (warm start from a snapshot); hold :meth:`locked`.
+        """Adopt a restored index (warm start from a snapshot), under both locks.
 
         The ingestor and the router are rebuilt around it (in-flight requests
         are forgotten: a warm start happens before serving), and every known
         worker keeps its role; its ingestion state starts ``live``.
         """
-        self.index = index
-        self.ingestor = IndexIngestor(index, on_state_change=self._on_state_change)
-        self.router = Router(index, self.router.config)
-        for name, role in self._roles.items():
-            if name not in self._unreachable:
-                self.router.add_worker(name, role)
-            self.ingestor.add_worker(name)
+        with self._ingest_lock, self._lock:
+            ingestor = IndexIngestor(index, on_state_change=self._on_state_change)
+            router = Router(index, self._router.config)
+            for name, role in self._roles.items():
+                if name not in self._unreachable:
+                    router.add_worker(name, role)
+                ingestor.add_worker(name)
+            self._index, self._ingestor, self._router = index, ingestor, router
 
     def _register(self, subs: Iterable[SubscriberSpec]) -> None:
         with self._ingest_lock, self._lock:
@@ -475,7 +515,7 @@ class RouterService:
                 self._subs[sub.name] = sub
                 self._ensure_worker(sub.name)
                 if self._roles[sub.name] != sub.role:  # first seen in a stream, before its spec
-                    self.router.add_worker(sub.name, sub.role)
+                    self._router.add_worker(sub.name, sub.role)
                     self._roles[sub.name] = sub.role
             self.metrics.workers.set(len(self._subs))
 
@@ -485,7 +525,7 @@ class RouterService:
         """``POST /match``: per-worker leading blocks held, block sizes, per-tier detail."""
         t0 = time.perf_counter()
         try:
-            index = self.index
+            index = self._index
             if index.concurrent_reads:
                 # The native core locks each query and each event itself: a
                 # match never waits behind a whole batch held under our lock.
@@ -511,7 +551,7 @@ class RouterService:
         t0 = time.perf_counter()
         try:
             with self._lock:
-                d = self.router.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt)
+                d = self._router.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt)
                 q = self.metrics.queries
                 q.route_latency.observe(time.perf_counter() - t0)
                 q.observe_route(d.worker, d.matched_tokens, len(token_ids))
@@ -524,7 +564,7 @@ class RouterService:
     def release(self, request_id: str) -> bool:
         """``POST /release``: True when the request was in flight (unknown ids are not errors)."""
         with self._lock:
-            found = self.router.release(request_id)
+            found = self._router.release(request_id)
             self.metrics.queries.releases["released" if found else "unknown"] += 1
         return found
 
@@ -541,14 +581,14 @@ class RouterService:
         stats = self._loop.statistics() if self._loop is not None else {}
         out: dict[str, Any] = {}
         with self._lock:
-            statuses = self.ingestor.statuses()
-            load = self.router.load()
+            statuses = self._ingestor.statuses()
+            load = self._router.load()
             names = list(dict.fromkeys([*self._subs, *self._roles, *statuses]))
             for name in names:
                 st = statuses.get(name)
                 sub = self._subs.get(name)
                 wl = load.get(name)
-                blocks = self.index.num_blocks(name)
+                blocks = self._index.num_blocks(name)
                 lag = (now - st.last_batch_ts) if st is not None and st.last_batch_ts else None
                 entry: dict[str, Any] = {
                     "worker": sub.worker if sub is not None else name,
@@ -557,8 +597,8 @@ class RouterService:
                     "state": st.state.value if st is not None else "live",
                     "blocks": blocks,
                     "blocks_held": blocks,
-                    "blocks_by_tier": self.index.blocks_by_tier(name),
-                    "block_size": self.index.block_size_of(name),
+                    "blocks_by_tier": self._index.blocks_by_tier(name),
+                    "block_size": self._index.block_size_of(name),
                     "last_seq": st.last_seq if st is not None else None,
                     "epoch": st.epoch if st is not None else 0,
                     "batches_applied": st.batches_applied if st is not None else 0,
@@ -593,7 +633,7 @@ class RouterService:
         problems: list[str] = []
         if self._subs:
             with self._lock:
-                states = [st.state for st in self.ingestor.statuses().values()]
+                states = [st.state for st in self._ingestor.statuses().values()]
             if states and all(s is WorkerState.STALE for s in states):
                 problems.append(f"every worker is stale ({len(states)} stream(s) unreachable)")
         if state is not None and state.get("connected") is False:
@@ -670,8 +710,8 @@ class RouterService:
             loop.call(lambda: [loop.close_stream(n) for n in names], timeout_s)
         with self._ingest_lock, self._lock:
             for n in names:
-                self.router.remove_worker(n)
-                self.ingestor.remove_worker(n)
+                self._router.remove_worker(n)
+                self._ingestor.remove_worker(n)
                 self._roles.pop(n, None)
                 self._distrusted.discard(n)
                 self._unreachable.discard(n)
@@ -691,7 +731,7 @@ class RouterService:
         now = self._wall_clock()
         subs = self._loop.statistics() if self._loop is not None else {}
         with self._lock:
-            statuses = self.ingestor.statuses()
+            statuses = self._ingestor.statuses()
             samples = [
                 WorkerSample(
                     name=name,
@@ -708,7 +748,7 @@ class RouterService:
                     replay_timeouts=subs[name].replay_timeouts if name in subs else 0,
                     malformed=subs[name].malformed_total if name in subs else 0,
                     lag_s=(now - st.last_batch_ts) if st.last_batch_ts else None,
-                    blocks_by_tier=self.index.blocks_by_tier(name),
+                    blocks_by_tier=self._index.blocks_by_tier(name),
                 )
                 for name, st in statuses.items()
             ]
@@ -719,3 +759,11 @@ class RouterService:
         """Hold both locks: nothing is applied meanwhile (tools that read or replace the index)."""
         with self._ingest_lock, self._lock:
             yield
+
+
+if TYPE_CHECKING:
+    from tokenspeed_router.state.service import ServiceHost
+
+    def _fits_state_backend(service: RouterService) -> ServiceHost:
+        """mypy checks here that the service is what ``serve --state`` needs."""
+        return service
