@@ -1,5 +1,12 @@
 """``RouterService``: one process, one index, one writer.
 
+The service is the façade the listeners and tools construct; its parts each
+have one job: ``server/workers.py`` (``WorkerRegistry``: who is configured,
+roles, the gateway's marks, membership rules), ``server/worker_report.py``
+(what ``/workers`` and ``/metrics`` say per worker), ``server/ingest_loop.py``
+(the subscriber thread). It raises domain errors (``tokenspeed_router.errors``);
+``server/api.py:api_error`` is the one place they become HTTP statuses.
+
 Threads and who touches what::
 
     tokenspeed-ingest   owns the subscriber sockets; every item it receives goes
@@ -56,17 +63,23 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
-from tokenspeed_router.errors import ConfigError, NoWorkerAvailableError, WireError
+from tokenspeed_router.errors import (
+    ConfigError,
+    InvalidRequestError,
+    ServiceNotIngestingError,
+)
 from tokenspeed_router.events.log import EventLogWriter
 from tokenspeed_router.events.schema import KVEventBatch
 from tokenspeed_router.events.subscriber import BatchReceived, SubscriberItem
 from tokenspeed_router.router.index import KvIndex
 from tokenspeed_router.router.ingest import IndexIngestor, WorkerState
 from tokenspeed_router.router.router import Router, WorkerRole
-from tokenspeed_router.server.api import ApiError
+from tokenspeed_router.server.api import api_errors
 from tokenspeed_router.server.config import ServerConfig, SubscriberSpec, WorkerSpec
 from tokenspeed_router.server.ingest_loop import IngestLoop
 from tokenspeed_router.server.metrics import ServiceMetrics, WorkerSample, WorkerStateCollector
+from tokenspeed_router.server.worker_report import worker_entries, worker_samples
+from tokenspeed_router.server.workers import WorkerRegistry
 
 __all__ = [
     "IngestSink",
@@ -182,14 +195,7 @@ class RouterService:
         self._sink: IngestSink | None = None
         self.recorder: RecordingSink | None = None
         self._loop: IngestLoop | None = None
-        self._specs: dict[str, WorkerSpec] = {}  # configured worker name -> spec
-        self._subs: dict[str, SubscriberSpec] = {}  # stream name -> spec
-        self._roles: dict[str, WorkerRole] = {}  # routable worker -> role
-        self._replayed: dict[str, int] = {}
-        #: streams whose prefix knowledge the gateway's truth loop distrusts (misaligned)
-        self._distrusted: set[str] = set()
-        #: streams the gateway found unreachable: taken out of routing until they answer
-        self._unreachable: set[str] = set()
+        self._workers = WorkerRegistry()  # mutated under self._lock
         self._serving = False
         self._stopped = False
         self._ingesting = False
@@ -225,7 +231,7 @@ class RouterService:
         # sink may apply items from its shared stream as soon as it is built.
         subs = self.config.subscribers()
         for spec in self.config.workers:
-            self._specs[spec.name] = spec
+            self._workers.specs[spec.name] = spec
         self._register(subs)
         base = self._sink_factory(self) if self._sink_factory is not None else LocalIngestSink(self)
         self._sink = base
@@ -319,7 +325,7 @@ class RouterService:
         """
         loop = self._require_loop()
         self._ingesting = True
-        subs = list(self._subs.values())
+        subs = list(self._workers.streams.values())
         seqs = dict(start_seqs or {})
 
         def open_missing() -> None:
@@ -376,7 +382,7 @@ class RouterService:
 
     def _require_loop(self) -> IngestLoop:
         if self._loop is None or not self._loop.running:
-            raise ApiError(409, "the service is not running its ingestion loop")
+            raise ServiceNotIngestingError("the service is not running its ingestion loop")
         return self._loop
 
     # --- the way into the index -------------------------------------------------------
@@ -391,7 +397,8 @@ class RouterService:
             with self._lock:
                 self._ensure_worker(item.worker)
                 if isinstance(item, BatchReceived) and item.replayed:
-                    self._replayed[item.worker] = self._replayed.get(item.worker, 0) + 1
+                    replayed = self._workers.replayed
+                    replayed[item.worker] = replayed.get(item.worker, 0) + 1
                 if not self._index.concurrent_reads:
                     self._ingestor.on_item(item)
             if self._index.concurrent_reads:
@@ -414,12 +421,11 @@ class RouterService:
 
     def _ensure_worker(self, name: str) -> None:
         # under the lock
-        if name not in self._roles:
-            sub = self._subs.get(name)
-            role = sub.role if sub is not None else WorkerRole.BOTH
+        if name not in self._workers.roles:
+            role = self._workers.role_of_stream(name)
             self._router.add_worker(name, role)
             self._ingestor.add_worker(name)
-            self._roles[name] = role
+            self._workers.roles[name] = role
             if self._ingestor.is_cold(name):
                 self._router.set_cold(name, True)
 
@@ -430,14 +436,14 @@ class RouterService:
         (snapshot restore): the router learns the worker and its cold flag.
         """
         self._ensure_worker(name)
-        if name not in self._unreachable:
-            self._router.set_cold(name, self._ingestor.is_cold(name) or name in self._distrusted)
+        if name not in self._workers.unreachable:
+            self._router.set_cold(name, self._workers.cold(name, self._ingestor.is_cold(name)))
 
     def _on_state_change(self, worker: str, state: WorkerState) -> None:
         # called by the ingestor, under the ingest lock
         with self._lock:
-            if worker in self._roles and worker not in self._unreachable:
-                self._router.set_cold(worker, state is not WorkerState.LIVE or worker in self._distrusted)
+            if self._workers.routable(worker):
+                self._router.set_cold(worker, self._workers.cold(worker, state is not WorkerState.LIVE))
 
     def set_distrusted(self, name: str, distrusted: bool) -> None:
         """Route ``name`` on load only (its prefix score ignored) while ``distrusted``.
@@ -447,11 +453,11 @@ class RouterService:
         """
         with self._lock:
             if distrusted:
-                self._distrusted.add(name)
+                self._workers.distrusted.add(name)
             else:
-                self._distrusted.discard(name)
-            if name in self._roles and name not in self._unreachable:
-                self._router.set_cold(name, distrusted or self._ingestor.is_cold(name))
+                self._workers.distrusted.discard(name)
+            if self._workers.routable(name):
+                self._router.set_cold(name, self._workers.cold(name, self._ingestor.is_cold(name)))
 
     def set_reachable(self, name: str, reachable: bool) -> None:
         """Take ``name`` out of routing (its engine refuses connections) or put it back.
@@ -459,25 +465,26 @@ class RouterService:
         Its index entries stay: they are still what the engine holds. Its
         in-flight load is forgotten while it is out.
         """
+        workers = self._workers
         with self._lock:
-            if name not in self._roles:
+            if name not in workers.roles:
                 return
             if reachable:
-                if name in self._unreachable:
-                    self._unreachable.discard(name)
-                    self._router.add_worker(name, self._roles[name])
-                    self._router.set_cold(name, name in self._distrusted or self._ingestor.is_cold(name))
-            elif name not in self._unreachable:
-                self._unreachable.add(name)
+                if name in workers.unreachable:
+                    workers.unreachable.discard(name)
+                    self._router.add_worker(name, workers.roles[name])
+                    self._router.set_cold(name, workers.cold(name, self._ingestor.is_cold(name)))
+            elif name not in workers.unreachable:
+                workers.unreachable.add(name)
                 self._router.remove_worker(name)
 
     def worker_specs(self) -> dict[str, WorkerSpec]:
         """The configured workers (``--worker`` and ``PUT /workers``) by name."""
-        return dict(self._specs)
+        return dict(self._workers.specs)
 
     def stream_specs(self) -> dict[str, SubscriberSpec]:
         """Every subscribed stream (one per worker, or one per DP rank) by stream name."""
-        return dict(self._subs)
+        return dict(self._workers.streams)
 
     def _mark_stale(self, name: str) -> None:
         with self._ingest_lock, self._lock:
@@ -488,10 +495,10 @@ class RouterService:
         """Declare roles of workers known only from a log (``replay`` reads them from its header)."""
         with self._ingest_lock, self._lock:
             for name, role in roles.items():
-                if name not in self._roles:
+                if name not in self._workers.roles:
                     self._router.add_worker(name, role)
                     self._ingestor.add_worker(name)
-                    self._roles[name] = WorkerRole(role)
+                    self._workers.roles[name] = WorkerRole(role)
 
     def replace_index(self, index: KvIndex) -> None:
         """Adopt a restored index (warm start from a snapshot), under both locks.
@@ -503,8 +510,8 @@ class RouterService:
         with self._ingest_lock, self._lock:
             ingestor = IndexIngestor(index, on_state_change=self._on_state_change)
             router = Router(index, self._router.config)
-            for name, role in self._roles.items():
-                if name not in self._unreachable:
+            for name, role in self._workers.roles.items():
+                if name not in self._workers.unreachable:
                     router.add_worker(name, role)
                 ingestor.add_worker(name)
             self._index, self._ingestor, self._router = index, ingestor, router
@@ -512,19 +519,19 @@ class RouterService:
     def _register(self, subs: Iterable[SubscriberSpec]) -> None:
         with self._ingest_lock, self._lock:
             for sub in subs:
-                self._subs[sub.name] = sub
+                self._workers.streams[sub.name] = sub
                 self._ensure_worker(sub.name)
-                if self._roles[sub.name] != sub.role:  # first seen in a stream, before its spec
+                if self._workers.roles[sub.name] != sub.role:  # first seen in a stream, before its spec
                     self._router.add_worker(sub.name, sub.role)
-                    self._roles[sub.name] = sub.role
-            self.metrics.workers.set(len(self._subs))
+                    self._workers.roles[sub.name] = sub.role
+            self.metrics.workers.set(len(self._workers.streams))
 
     # --- queries ---------------------------------------------------------------------
 
     def match(self, token_ids: list[int], lora_id: int | str | None = None, salt: str | None = None) -> dict[str, Any]:
         """``POST /match``: per-worker leading blocks held, block sizes, per-tier detail."""
         t0 = time.perf_counter()
-        try:
+        with api_errors():  # bad token ids: 400
             index = self._index
             if index.concurrent_reads:
                 # The native core locks each query and each event itself: a
@@ -535,8 +542,6 @@ class RouterService:
                 with self._lock:
                     detail = index.match_detail(token_ids, lora_id=lora_id, salt=salt)
                     self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
-        except WireError as err:
-            raise ApiError(400, f"invalid token_ids: {err}") from None
         return {"scores": detail.scores, "block_size": detail.block_size, "tiers": detail.tiers}
 
     def route(
@@ -549,16 +554,11 @@ class RouterService:
     ) -> dict[str, Any]:
         """``POST /route``: choose a worker and count the request in flight."""
         t0 = time.perf_counter()
-        try:
-            with self._lock:
-                d = self._router.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt)
-                q = self.metrics.queries
-                q.route_latency.observe(time.perf_counter() - t0)
-                q.observe_route(d.worker, d.matched_tokens, len(token_ids))
-        except NoWorkerAvailableError as err:
-            raise ApiError(503, f"no worker available: {err}") from None
-        except WireError as err:
-            raise ApiError(400, f"invalid token_ids: {err}") from None
+        with api_errors(), self._lock:  # no worker: 503; bad token ids: 400
+            d = self._router.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt)
+            q = self.metrics.queries
+            q.route_latency.observe(time.perf_counter() - t0)
+            q.observe_route(d.worker, d.matched_tokens, len(token_ids))
         return d.to_dict()
 
     def release(self, request_id: str) -> bool:
@@ -569,56 +569,14 @@ class RouterService:
         return found
 
     def workers(self) -> dict[str, Any]:
-        """``GET /workers``: ``{name: info}`` per stream, at the top level (DESIGN §6).
-
-        ``info`` holds role, state, blocks held (``blocks``, also as
-        ``blocks_held``), last seq, events applied and lag (``lag_s``: seconds
-        since the worker's last batch timestamp, also as ``lag``), plus
-        counters and endpoints.
-        """
+        """``GET /workers``: ``{name: info}`` per stream (see :func:`worker_entries`)."""
         now = self._wall_clock()
         connected = self._loop.connected() if self._loop is not None else {}
         stats = self._loop.statistics() if self._loop is not None else {}
-        out: dict[str, Any] = {}
         with self._lock:
-            statuses = self._ingestor.statuses()
-            load = self._router.load()
-            names = list(dict.fromkeys([*self._subs, *self._roles, *statuses]))
-            for name in names:
-                st = statuses.get(name)
-                sub = self._subs.get(name)
-                wl = load.get(name)
-                blocks = self._index.num_blocks(name)
-                lag = (now - st.last_batch_ts) if st is not None and st.last_batch_ts else None
-                entry: dict[str, Any] = {
-                    "worker": sub.worker if sub is not None else name,
-                    "dp_rank": sub.dp_rank if sub is not None else None,
-                    "role": self._roles.get(name, sub.role if sub is not None else WorkerRole.BOTH).value,
-                    "state": st.state.value if st is not None else "live",
-                    "blocks": blocks,
-                    "blocks_held": blocks,
-                    "blocks_by_tier": self._index.blocks_by_tier(name),
-                    "block_size": self._index.block_size_of(name),
-                    "last_seq": st.last_seq if st is not None else None,
-                    "epoch": st.epoch if st is not None else 0,
-                    "batches_applied": st.batches_applied if st is not None else 0,
-                    "events_applied": st.events_applied if st is not None else 0,
-                    "events_rejected": st.events_rejected if st is not None else 0,
-                    "resyncs": st.resyncs if st is not None else 0,
-                    "restarts": st.restarts if st is not None else 0,
-                    "replayed_batches": self._replayed.get(name, 0),
-                    "gaps": stats[name].gaps if name in stats else 0,
-                    "malformed_frames": stats[name].malformed_total if name in stats else 0,
-                    "lag_s": lag,
-                    "lag": lag,
-                    "ingest_delay_s": st.lag_s if st is not None else None,
-                    "in_flight": getattr(wl, "active_requests", 0) if wl is not None else 0,
-                    "connected": connected.get(name),
-                    "events_endpoint": sub.events if sub is not None else None,
-                    "replay_endpoint": sub.replay if sub is not None else None,
-                }
-                out[name] = entry
-        return out
+            return worker_entries(
+                self._workers, self._index, self._ingestor.statuses(), self._router.load(), stats, connected, now
+            )
 
     def health(self) -> dict[str, Any]:
         """``GET /health``: a cheap summary, and whether routing can be trusted.
@@ -631,7 +589,7 @@ class RouterService:
         """
         state = self._state_health() if self._state_health is not None else None
         problems: list[str] = []
-        if self._subs:
+        if self._workers.streams:
             with self._lock:
                 states = [st.state for st in self._ingestor.statuses().values()]
             if states and all(s is WorkerState.STALE for s in states):
@@ -645,7 +603,7 @@ class RouterService:
             "status": status,
             "problems": problems,
             "uptime_s": round(time.monotonic() - self._started_s, 3),
-            "workers": len(self._roles),
+            "workers": len(self._workers.roles),
             "ingesting": self._loop is not None and self._loop.running,  # the loop runs
             "subscribed": self._ingesting,  # False while a replicated backend leads elsewhere
             **({"state": state} if state is not None else {}),
@@ -661,50 +619,36 @@ class RouterService:
         replicated backend holds ingestion elsewhere, the worker is registered
         and subscribed at the next :meth:`start_ingestion`.
         """
+        with api_errors():
+            return self._put_worker(spec, timeout_s)
+
+    def _put_worker(self, spec: WorkerSpec, timeout_s: float) -> tuple[bool, list[str]]:
         if self._loop is None or not self._loop.running:
-            raise ApiError(409, "the service is not ingesting (no run-time workers here)")
-        old = self._specs.get(spec.name)
-        if old == spec:
+            raise ServiceNotIngestingError("the service is not ingesting (no run-time workers here)")
+        if self._workers.specs.get(spec.name) == spec:
             return False, [s.name for s in spec.subscribers()]
+        old = self._workers.check_put(spec)
         new_subs = list(spec.subscribers())
-        taken = {
-            ep: s.name
-            for s in self._subs.values()
-            if old is None or s.worker != spec.name
-            for ep in (s.events, s.replay)
-            if ep is not None
-        }
-        for sub in new_subs:
-            if sub.name in self._roles and (old is None or self._subs.get(sub.name, sub).worker != spec.name):
-                raise ApiError(409, f"worker name {sub.name!r} is already in use")
-            for ep in (sub.events, sub.replay):
-                if ep is not None and ep in taken:
-                    raise ApiError(409, f"endpoint {ep} is already used by worker {taken[ep]!r}")
         if old is not None:
-            self.delete_worker(spec.name, timeout_s)
+            self._delete_worker(spec.name, timeout_s)
         loop = self._loop
         try:
             if self._ingesting:
                 loop.call(lambda: loop.open_streams(new_subs), timeout_s)
         except (ConfigError, zmq.ZMQError, ValueError) as err:
-            raise ApiError(400, f"cannot subscribe to worker {spec.name!r}: {err}") from None
-        self._specs[spec.name] = spec
+            raise InvalidRequestError(f"cannot subscribe to worker {spec.name!r}: {err}") from None
+        self._workers.specs[spec.name] = spec
         self._register(new_subs)
         logger.info("worker %s added at run time (%d stream(s))", spec.name, len(new_subs))
         return old is None, [s.name for s in new_subs]
 
     def delete_worker(self, name: str, timeout_s: float = 10.0) -> list[str]:
         """Unsubscribe and forget a worker (a configured name or one stream name)."""
-        spec = self._specs.get(name)
-        sub = self._subs.get(name)
-        if spec is not None:
-            names = [s.name for s in spec.subscribers()]
-        elif sub is not None and sub.worker in self._specs:
-            raise ApiError(409, f"{name!r} is one rank of worker {sub.worker!r}: delete {sub.worker!r}")
-        elif name in self._roles or name in self._subs:
-            names = [name]
-        else:
-            raise ApiError(404, f"unknown worker {name!r}")
+        with api_errors():
+            return self._delete_worker(name, timeout_s)
+
+    def _delete_worker(self, name: str, timeout_s: float) -> list[str]:
+        names = self._workers.streams_of(name)
         if self._loop is not None and self._loop.running:
             loop = self._loop
             loop.call(lambda: [loop.close_stream(n) for n in names], timeout_s)
@@ -712,13 +656,9 @@ class RouterService:
             for n in names:
                 self._router.remove_worker(n)
                 self._ingestor.remove_worker(n)
-                self._roles.pop(n, None)
-                self._distrusted.discard(n)
-                self._unreachable.discard(n)
-                self._subs.pop(n, None)
-                self._replayed.pop(n, None)
-            self.metrics.workers.set(len(self._subs))
-        self._specs.pop(name, None)
+            self._workers.forget(names)
+            self.metrics.workers.set(len(self._workers.streams))
+        self._workers.specs.pop(name, None)
         logger.info("worker %s removed at run time", name)
         return names
 
@@ -729,29 +669,9 @@ class RouterService:
 
     def _worker_samples(self) -> Iterator[WorkerSample]:
         now = self._wall_clock()
-        subs = self._loop.statistics() if self._loop is not None else {}
+        stats = self._loop.statistics() if self._loop is not None else {}
         with self._lock:
-            statuses = self._ingestor.statuses()
-            samples = [
-                WorkerSample(
-                    name=name,
-                    role=self._roles.get(name, WorkerRole.BOTH).value,
-                    state=st.state.value,
-                    batches_applied=st.batches_applied,
-                    events_applied=st.events_applied,
-                    events_rejected=st.events_rejected,
-                    resyncs=st.resyncs,
-                    restarts=st.restarts,
-                    replayed_batches=self._replayed.get(name, 0),
-                    gaps=subs[name].gaps if name in subs else st.resyncs,
-                    replay_requests=subs[name].replay_requests if name in subs else 0,
-                    replay_timeouts=subs[name].replay_timeouts if name in subs else 0,
-                    malformed=subs[name].malformed_total if name in subs else 0,
-                    lag_s=(now - st.last_batch_ts) if st.last_batch_ts else None,
-                    blocks_by_tier=self._index.blocks_by_tier(name),
-                )
-                for name, st in statuses.items()
-            ]
+            samples = worker_samples(self._workers, self._index, self._ingestor.statuses(), stats, now)
         return iter(samples)
 
     @contextmanager

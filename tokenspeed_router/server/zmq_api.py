@@ -24,15 +24,15 @@ from typing import Any
 import msgspec
 import zmq
 
-from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.errors import ConfigError, RouterApiError, TokenspeedError
 from tokenspeed_router.server.api import (
-    ApiError,
     ZmqHealth,
     ZmqMatch,
     ZmqRelease,
     ZmqRequest,
     ZmqRoute,
     ZmqWorkers,
+    api_error,
     check_bearer,
     request_id_text,
     validate_request,
@@ -139,18 +139,19 @@ class ZmqApiServer:
                 req = self._decoder.decode(payload)
             except msgspec.ValidationError as err:
                 req_id = self._salvage_id(payload)
-                raise ApiError(400, f"invalid request: {err}") from None
+                raise RouterApiError(400, f"invalid request: {err}") from None
             except msgspec.DecodeError as err:
-                raise ApiError(400, f"malformed msgpack: {err}") from None
+                raise RouterApiError(400, f"malformed msgpack: {err}") from None
             except RecursionError:
-                raise ApiError(400, "malformed msgpack: nested too deeply") from None
+                raise RouterApiError(400, "malformed msgpack: nested too deeply") from None
             req_id = req.id
             if not isinstance(req, ZmqHealth):  # health stays open, as over HTTP
                 check_bearer(req.auth, self._expected, header=False)
             result = self._dispatch(req)
-        except ApiError as err:
-            self._service.metrics.api_errors.labels("zmq", str(err.status)).inc()
-            return self._error_reply(req_id, err.status, err.message)
+        except TokenspeedError as caught:
+            refused = api_error(caught)
+            self._service.metrics.api_errors.labels("zmq", str(refused.status)).inc()
+            return self._error_reply(req_id, refused.status, refused.message)
         except Exception:
             logger.exception("unhandled error in the ZMQ API")
             self._service.metrics.api_errors.labels("zmq", "500").inc()
@@ -184,7 +185,7 @@ class ZmqApiServer:
             return service.workers()
         if isinstance(req, ZmqHealth):
             return service.health()
-        raise ApiError(400, f"unsupported op {type(req).__name__}")
+        raise RouterApiError(400, f"unsupported op {type(req).__name__}")
 
     def _error_reply(self, req_id: Any, status: int, message: str) -> bytes:
         return self._encoder.encode({"id": req_id, "status": status, "error": message})
