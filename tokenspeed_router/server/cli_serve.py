@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker", action="append", metavar="SPEC",
         help="name=NAME,events=ENDPOINT[,replay=ENDPOINT][,role=prefill|decode|both][,dp_ranks=N][,topic=T]"
-        "[,url=http://HOST:PORT] "
+        "[,url=http://HOST:PORT][,curve_server_key=RELAY.key,curve_key=OWN.key_secret] "
         "(repeatable; env TOKENSPEED_ROUTER_WORKER(S)='spec;spec'; TOML [[worker]])",
     )
     parser.add_argument("--config", metavar="FILE", help="TOML config file (env TOKENSPEED_ROUTER_CONFIG)")
