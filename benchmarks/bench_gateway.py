@@ -229,18 +229,29 @@ def fixed_rate(port: int, bodies: list[bytes], rate: float, duration_s: float, c
             "errors": len(errors)}
 
 
-def interleaved(targets: dict[str, tuple[int, list[bytes]]], rate: float, duration_s: float,
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def interleaved(targets: dict[str, tuple[int, list[bytes], int]], rate: float, duration_s: float,
                 rounds: int) -> dict[str, dict[str, Any]]:
     """``fixed_rate`` per target, in ``rounds`` alternating slices: machine load drifts, and on a
-    shared machine a target measured only first or only last would carry that drift."""
+    shared machine a target measured only first or only last would carry that drift. Also the
+    CPU the serving process (``pid``) spent per request."""
     lat: dict[str, list[float]] = {name: [] for name in targets}
     errors = dict.fromkeys(targets, 0)
+    cpu = dict.fromkeys(targets, 0.0)
     for _ in range(rounds):
-        for name, (port, bodies) in targets.items():
+        for name, (port, bodies, pid) in targets.items():
+            c0 = _cpu_s(pid)
             out = fixed_rate(port, bodies, rate, duration_s / rounds, samples=lat[name])
+            cpu[name] += _cpu_s(pid) - c0
             errors[name] += out["errors"]
     return {name: {"requests": len(xs), "p50_ms": _pct(xs, 0.5) * 1e3, "p99_ms": _pct(xs, 0.99) * 1e3,
-                   "errors": errors[name]} for name, xs in lat.items()}
+                   "errors": errors[name], "cpu_us_per_request": cpu[name] / max(1, len(xs)) * 1e6}
+            for name, xs in lat.items()}
 
 
 def saturate(port: int, bodies: list[bytes], conns: int, duration_s: float) -> dict[str, Any]:
@@ -304,10 +315,12 @@ def main() -> int:
             ids, text = _bodies(_prompts(), False), _bodies(_prompts(), True)
             fixed_rate(gw_port, ids, args.rate, 1.0)  # warm: connections, index, caches
             fixed_rate(engine_port, ids, args.rate, 1.0)
-            targets = {"engine": (engine_port, ids), "gateway": (gw_port, ids), "gateway_text": (gw_port, text)}
+            e0, gw_pid = procs[0].proc.pid, serve.proc.pid
+            targets = {"engine": (engine_port, ids, e0), "gateway": (gw_port, ids, gw_pid),
+                       "gateway_text": (gw_port, text, gw_pid)}
             if peer is not None:
                 fixed_rate(peer[1], ids, args.rate, 1.0)
-                targets["vllm_router"] = (peer[1], ids)
+                targets["vllm_router"] = (peer[1], ids, peer[0].proc.pid)
             latency = interleaved(targets, args.rate, duration, args.rounds)
             results["latency"] = latency
             results["overhead_p50_ms"] = latency["gateway"]["p50_ms"] - latency["engine"]["p50_ms"]
@@ -331,9 +344,10 @@ def main() -> int:
 
 def _print(r: dict[str, Any]) -> None:
     print(f"fixed rate {r['rate']:g} req/s, {r['duration_s']:g} s per phase, {r['prompt_tokens']}-token prompts")
-    print(f"{'target':<14}{'p50 ms':>9}{'p99 ms':>9}{'errors':>8}")
+    print(f"{'target':<14}{'p50 ms':>9}{'p99 ms':>9}{'errors':>8}{'CPU us/req':>12}  (of the process answering)")
     for name, row in r["latency"].items():
-        print(f"{name:<14}{row['p50_ms']:>9.2f}{row['p99_ms']:>9.2f}{row['errors']:>8}")
+        print(f"{name:<14}{row['p50_ms']:>9.2f}{row['p99_ms']:>9.2f}{row['errors']:>8}"
+              f"{row['cpu_us_per_request']:>12.0f}")
     print(f"gateway overhead p50: {r['overhead_p50_ms']:.2f} ms (token ids), "
           f"{r['overhead_p50_text_ms']:.2f} ms (text: + /tokenize round trip)")
     print(f"\nsaturation (wrk, {r['throughput']['engine'].get('conns', '?')} connections)")

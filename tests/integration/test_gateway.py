@@ -224,3 +224,12 @@ def test_down_worker_comes_back_when_its_engine_answers_again(tmp_path: Path) ->
         # routable again: fresh prompts reach it
         landed = {gw.complete(words(80_000 + 1000 * i, 32))[0] for i in range(12)}
         assert worker in landed
+
+
+def test_models_is_the_union_of_the_workers_models(tmp_path: Path) -> None:
+    with Gateway(tmp_path, [["--instant"], ["--instant", "--model", "other-model"]]) as gw:
+        models = gw.client.get("/v1/models")
+        assert models.status_code == 200
+        assert sorted(m["id"] for m in models.json()["data"]) == ["other-model", "tokenspeed-sim"]
+        gw.engines[1].stop()  # one engine gone: the other's models still listed
+        assert [m["id"] for m in gw.client.get("/v1/models").json()["data"]] == ["tokenspeed-sim"]

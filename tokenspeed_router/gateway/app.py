@@ -78,6 +78,25 @@ class Gateway:
             Route("/v1/models", _Asgi(self._models), methods=["GET"]),
         ]
 
+    def front(self, app: Any) -> Any:
+        """``app`` with the two POST endpoints answered before Starlette sees them.
+
+        Starlette's middleware wraps every ``send`` of every stream chunk in
+        two more coroutines; the proxy path needs none of it (it handles its
+        own errors).
+        """
+        fast = {"/v1/completions": _Asgi(self._completions), "/v1/chat/completions": _Asgi(self._chat)}
+
+        async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http" and scope["method"] == "POST":
+                endpoint = fast.get(scope["path"])
+                if endpoint is not None:
+                    await endpoint(scope, receive, send)
+                    return
+            await app(scope, receive, send)
+
+        return asgi
+
     async def aclose(self) -> None:
         await self.upstreams.aclose()
 

@@ -192,8 +192,7 @@ class Proxy:
             self._service.release(request_id)
 
     def _prefill_done(self, request_id: str) -> None:
-        with self._service.locked():
-            self._service.router.mark_prefill_done(request_id)
+        self._service.mark_prefill_done(request_id)
 
     async def _disaggregated(self, req: ParsedRequest, tokens: list[int], plan: _Plan, send: Send,
                              headers: dict[str, str]) -> None:
@@ -341,9 +340,8 @@ class Proxy:
         if type(reported) is not int:
             self._truth.observe_unreported(stream)
             return
-        with self._service.locked():
-            resyncing = self._service.ingestor.is_cold(stream)
-        if resyncing:
+        # a lock-free read of one worker's state (benign race: at worst one sample more or less)
+        if self._service.ingestor.is_cold(stream):
             return  # its index entries are known to be incomplete (stale, resyncing): no evidence
         prompt_tokens = usage.get("prompt_tokens")
         n = prompt_tokens if type(prompt_tokens) is int and prompt_tokens > 0 else len(tokens)

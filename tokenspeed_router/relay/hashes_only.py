@@ -43,7 +43,7 @@ from tokenspeed_router.events.schema import (
     Event,
     KVEventBatch,
 )
-from tokenspeed_router.hashing import block_hashes, root_seed
+from tokenspeed_router.hashing import ContentHash, block_hashes, root_seed
 from tokenspeed_router.router.index import lora_key
 from tokenspeed_router.router.tiers import medium_code
 
@@ -133,7 +133,7 @@ class ContentHasher:
                 seed = 0
             else:
                 seed = parent_content = known[0]
-        contents: list[int] = block_hashes(toks, bs, parent=seed) if sendable else []
+        contents: list[ContentHash] = block_hashes(toks, bs, parent=seed) if sendable else []
         sent: list[int] = []
         for i, h in enumerate(hashes):
             content = contents[i] if i < len(contents) else None

@@ -478,6 +478,11 @@ class RouterService:
                 workers.unreachable.add(name)
                 self._router.remove_worker(name)
 
+    def mark_prefill_done(self, request_id: str) -> bool:
+        """The request's first token arrived: its prefill no longer counts as queued load."""
+        with self._lock:
+            return self._router.mark_prefill_done(request_id)
+
     def worker_specs(self) -> dict[str, WorkerSpec]:
         """The configured workers (``--worker`` and ``PUT /workers``) by name."""
         return dict(self._workers.specs)

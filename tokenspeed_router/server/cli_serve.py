@@ -167,8 +167,6 @@ def shutdown_signals(on_signal: Callable[[], None]) -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    # httpx logs every gateway request to an engine at INFO: one line per request is noise here
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
     if not config.workers:
         logger.warning("no workers configured: add them with PUT /workers/{name} or --worker")
     sink_factory = resolve_state_sink(config.state) if config.state else None

@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 ENV_PREFIX = "TOKENSPEED_ROUTER_"
 
 #: keys a worker spec accepts (``--worker k=v,...``, a ``[[workers]]`` table, PUT /workers body)
-WORKER_KEYS = ("name", "events", "replay", "role", "dp_ranks", "topic", "url", "curve_server_key", "curve_key")
+WORKER_KEYS = ("name", "events", "replay", "role", "dp_ranks", "topic", "curve_server_key", "curve_key", "url")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
 _TCP_RE = re.compile(r"^tcp://(?P<host>\[[^\]\s]+\]|[^:/\[\]\s]+):(?P<port>\d+|\*)$")
 MAX_DP_RANKS = 1024
@@ -213,9 +213,9 @@ class WorkerSpec:
     role: WorkerRole = WorkerRole.BOTH
     dp_ranks: int = 1
     topic: str = ""
-    url: str | None = None
     curve_server_key: str | None = None
     curve_key: str | None = None
+    url: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -303,9 +303,9 @@ class WorkerSpec:
             role=_parse_role(values.get("role") or "both", source),
             dp_ranks=dp_ranks,
             topic=values.get("topic", "") or "",
-            url=url,
             curve_server_key=values.get("curve_server_key") or None,
             curve_key=values.get("curve_key") or None,
+            url=url,
         )
 
     def subscribers(self) -> tuple[SubscriberSpec, ...]:
