@@ -181,7 +181,7 @@ class RouterService:
     ) -> None:
         self.config = config
         self._index = KvIndex()
-        self._router = Router(self._index, config.router_config())
+        self._router = Router(self._index, config.router)
         self._ingestor = IndexIngestor(self._index, on_state_change=self._on_state_change)
         self._ingest_lock = threading.RLock()
         self._lock = threading.RLock()  # re-entered by _on_state_change under the writers below
