@@ -320,3 +320,18 @@ def test_health_503_when_the_state_backend_is_down() -> None:
             assert resp.json()["problems"] == ["state backend unreachable"]
     finally:
         service.stop()
+
+
+def test_no_worker_with_a_url_is_a_503_in_openai_shape() -> None:
+    dead = f"tcp://127.0.0.1:{free_tcp_port()}"
+    service = RouterService(ServerConfig(http=None, workers=(WorkerSpec(name="w0", events=dead),)))
+    service.start()
+    try:
+        with TestClient(create_app(service)) as client:
+            resp = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+            assert resp.status_code == 503
+            assert resp.json()["error"]["code"] == "no_worker_available" and "url" in resp.json()["error"]["message"]
+            assert client.get("/workers").json()["w0"]["in_flight"] == 0  # released at once
+            assert client.get("/v1/models").status_code == 503
+    finally:
+        service.stop()

@@ -56,6 +56,9 @@ class _Unreachable(Exception):
     def __init__(self, target: Target, err: BaseException) -> None:
         super().__init__(f"{type(err).__name__}: {err}")
         self.target = target
+        #: no connection could be made (refused, unroutable, connect timeout); otherwise an
+        #: established connection was closed or reset before the answer started
+        self.refused = isinstance(err, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
 
 
 def _before_first_byte(target: Target, err: BaseException, what: str) -> Exception:
@@ -169,6 +172,7 @@ class Proxy:
         """Answer ``req`` on ``send``; raises :class:`OpenAIError` before anything is sent."""
         request_id = f"gw-{uuid.uuid4().hex}"
         attempts = 0
+        dropped = False  # a connection already dropped before answering for this request
         try:
             while True:
                 plan = self._plan(tokens, request_id)
@@ -180,7 +184,13 @@ class Proxy:
                                             observe=True, extra=None)
                     return
                 except _Unreachable as err:
-                    self._up.mark_down(err.target, str(err))
+                    if err.refused or dropped:
+                        self._up.mark_down(err.target, str(err))
+                    else:
+                        # A pooled keep-alive connection the engine closed at the same moment
+                        # looks like this too: try again (a fresh connection) before calling
+                        # the worker down; a dead engine then refuses the connection.
+                        dropped = True
                     self.stats.count(err.target.stream, "unreachable")
                     attempts += 1
                     if attempts > self._config.upstream_retries:

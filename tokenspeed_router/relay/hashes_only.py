@@ -32,6 +32,7 @@ Single owner, not thread safe. O(tokens) per stored block.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenspeed_router.errors import WireError
@@ -43,7 +44,7 @@ from tokenspeed_router.events.schema import (
     Event,
     KVEventBatch,
 )
-from tokenspeed_router.hashing import ContentHash, block_hashes, root_seed
+from tokenspeed_router.hashing import block_hashes, root_seed
 from tokenspeed_router.router.index import lora_key
 from tokenspeed_router.router.tiers import medium_code
 
@@ -133,7 +134,7 @@ class ContentHasher:
                 seed = 0
             else:
                 seed = parent_content = known[0]
-        contents: list[ContentHash] = block_hashes(toks, bs, parent=seed) if sendable else []
+        contents: Sequence[int] = block_hashes(toks, bs, parent=seed) if sendable else ()
         sent: list[int] = []
         for i, h in enumerate(hashes):
             content = contents[i] if i < len(contents) else None
