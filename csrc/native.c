@@ -1903,6 +1903,22 @@ static PyObject *mod_msgpack_tokens(PyObject *m, PyObject *arg) {
             p++;
             continue;
         }
+        if ((u8)(t - 0xcc) < 4 && end - p >= 9) {
+            /* uint 8/16/32/64: one unaligned big-endian load and a shift, no
+             * branch on the width (vocabulary ids mix uint16 and uint32). */
+            int sz = 1 << (t - 0xcc);
+            u64 x;
+            memcpy(&x, p + 1, 8);
+            v = __builtin_bswap64(x) >> (64 - 8 * sz);
+            p += 1 + sz;
+            if (v > (u64)INT64_MAX) {
+                PyErr_Format(PyExc_ValueError, "Expected `int` <= 9223372036854775807 - at `$.token_ids[%zd]`", i);
+                Py_CLEAR(out);
+                goto done;
+            }
+            dst[i] = v;
+            continue;
+        }
         switch (t) {
         case 0xcc: len = 1; break;
         case 0xcd: len = 2; break;
