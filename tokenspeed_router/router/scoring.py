@@ -181,6 +181,8 @@ def worker_cost(
 def pick_lowest(
     costs: Mapping[str, float],
     tie_key: Callable[[str], tuple[int, ...]],
+    *,
+    best: float | None = None,
 ) -> str:
     """The worker with the lowest cost; ties go to the smallest ``tie_key(worker)``.
 
@@ -192,7 +194,8 @@ def pick_lowest(
     """
     if not costs:
         raise ValueError("no candidates")
-    best = min(costs.values())
+    if best is None:  # the caller may pass the minimum it found while computing costs
+        best = min(costs.values())
     slack = 1e-9 * max(1.0, abs(best))
     tied = [w for w, c in costs.items() if c <= best + slack]
     if len(tied) == 1:
