@@ -110,19 +110,27 @@ class ZmqApiServer:
         sock = self._sock
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        # recv_multipart/send_multipart, unrolled with plain int flags: pyzmq's
+        # versions OR enum flags (an Enum call) and type-check every frame, per request.
+        recv, send, getsockopt = sock.recv, sock.send, sock.getsockopt
+        noblock, more, rcvmore = int(zmq.NOBLOCK), int(zmq.NOBLOCK) | int(zmq.SNDMORE), int(zmq.RCVMORE)
         try:
             while not self._stop.is_set():
                 if not poller.poll(_POLL_MS):
                     continue
                 for _ in range(_MAX_BURST):
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                        frames = [recv(noblock)]
                     except zmq.Again:
                         break
+                    while getsockopt(rcvmore):  # the rest of a multipart message is already here
+                        frames.append(recv(noblock))
                     reply = self._handle_frames(frames)
                     if reply is not None:
                         try:
-                            sock.send_multipart(reply, zmq.NOBLOCK)
+                            for frame in reply[:-1]:
+                                send(frame, more)
+                            send(reply[-1], noblock)
                         except zmq.Again:
                             logger.debug("ZMQ API reply dropped: peer not reading")
         except zmq.ZMQError as err:
