@@ -62,6 +62,9 @@ typedef uint8_t u8;
 
 #define RELEASE_GIL_TOKENS 4096 /* queries at least this long hash and walk without the GIL */
 #define RELEASE_GIL_BLOCKS 64   /* events with at least this many blocks apply without it */
+#ifndef TOK_AHEAD
+#define TOK_AHEAD 96 /* list items whose int objects are prefetched ahead of the one read */
+#endif
 
 static inline u64 chain(const u64 *words, size_t n, u64 seed) {
     return XXH3_64bits_withSeed(words, n * sizeof(u64), seed);
@@ -762,7 +765,7 @@ static u64 *tokens_from(PyObject *obj, Py_ssize_t *n_out, int strict) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *it = items[i];
         u64 v;
-        if (i + 16 < n) __builtin_prefetch(items[i + 16]);
+        if (i + TOK_AHEAD < n) __builtin_prefetch(items[i + TOK_AHEAD]);
         if (PyLong_CheckExact(it) && small_int(it, &v)) {
             out[i] = v;
             continue;
@@ -849,7 +852,7 @@ static inline int toks_need(Toks *t, Py_ssize_t upto) {
     if (want > t->ntok) want = t->ntok;
     PyObject **items = PySequence_Fast_ITEMS(t->seq);
     for (Py_ssize_t i = t->nconv; i < want; i++) {
-        if (i + 16 < want) __builtin_prefetch(items[i + 16]); /* int objects live all over the heap */
+        if (i + TOK_AHEAD < want) __builtin_prefetch(items[i + TOK_AHEAD]); /* int objects live all over the heap */
         /* Under the index lock no Python code may run (an __index__ could wait
          * for the GIL held by a writer waiting for this lock): ints only here. */
         if (!PyLong_Check(items[i])) {
