@@ -878,8 +878,52 @@ static inline int long_sign(PyObject *o) {
 #endif
 }
 
+/* An exact int in [-2**63, 2**64) read from its digits, without the generic
+ * conversion calls (block hashes are 64-bit: 3 digits, never "compact").
+ * 0: not handled here (other versions, subclasses, out of range): use the API. */
+static inline int fast_ext_int(PyObject *o, u64 *key, u8 *kind) {
+#if PyLong_SHIFT == 30 && PY_VERSION_HEX < 0x030E0000
+    if (!PyLong_CheckExact(o)) return 0;
+#if PY_VERSION_HEX < 0x030C0000
+    Py_ssize_t size = Py_SIZE(o);
+    const digit *d = ((PyLongObject *)o)->ob_digit;
+    int neg = size < 0;
+    Py_ssize_t nd = neg ? -size : size;
+#else
+    uintptr_t tag = ((PyLongObject *)o)->long_value.lv_tag;
+    const digit *d = ((PyLongObject *)o)->long_value.ob_digit;
+    int neg = (tag & 3) == 2;
+    Py_ssize_t nd = (Py_ssize_t)(tag >> 3);
+#endif
+    u64 mag;
+    switch (nd) {
+    case 0: mag = 0; break;
+    case 1: mag = d[0]; break;
+    case 2: mag = (u64)d[0] | ((u64)d[1] << 30); break;
+    case 3:
+        if (d[2] >= 16) return 0;
+        mag = (u64)d[0] | ((u64)d[1] << 30) | ((u64)d[2] << 60);
+        break;
+    default: return 0;
+    }
+    if (!neg) {
+        *key = mag;
+        *kind = 0;
+        return 1;
+    }
+    if (mag > ((u64)1 << 63)) return 0;
+    *key = (u64)0 - mag; /* two's complement, as PyLong_AsLongLong gives it */
+    *kind = M_SIGNED;
+    return 1;
+#else
+    (void)o; (void)key; (void)kind;
+    return 0;
+#endif
+}
+
 /* External id (u64 int, negative int, or bytes) -> table key + kind flag. */
 static int ext_key(PyObject *o, u64 *key, u8 *kind) {
+    if (fast_ext_int(o, key, kind)) return 0;
     if (PyLong_Check(o)) {
         if (long_sign(o) >= 0) { /* the common case: one conversion */
             u64 v = PyLong_AsUnsignedLongLong(o);
