@@ -719,6 +719,7 @@ class Router:
         workers = self._workers
         get_known = known.get
         costs: dict[str, float] = {}
+        best = math.inf
         for name in candidates:
             load: Any = workers[name]
             if provider is not None:
@@ -729,15 +730,17 @@ class Router:
             uncached = num_tokens - k.credit if k is not None else num_tokens
             if uncached < 0:
                 uncached = 0
-            costs[name] = (
+            cost = costs[name] = (
                 pw * uncached
                 + qw * load.pending_prefill_tokens
                 + dw * load.active_tokens
                 + rw * load.active_requests
             )
+            if cost < best:
+                best = cost
         if self._config.temperature > 0.0:
             return sample_softmax(costs, self._config.temperature, self._rng)
-        return pick_lowest(costs, lambda n: (workers[n].active_requests, workers[n].last_pick))
+        return pick_lowest(costs, lambda n: (workers[n].active_requests, workers[n].last_pick), best=best)
 
     def _admit(
         self,

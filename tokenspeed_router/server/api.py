@@ -42,6 +42,7 @@ __all__ = [
     "ReleaseRequest",
     "RouteRequest",
     "ZmqRequest",
+    "ZmqRequestRaw",
     "api_error",
     "api_errors",
     "check_bearer",
@@ -147,6 +148,24 @@ class ZmqHealth(_ZmqBase, frozen=True, kw_only=True, tag="health"):
 
 
 ZmqRequest = ZmqMatch | ZmqRoute | ZmqRelease | ZmqWorkers | ZmqHealth
+
+
+class ZmqMatchRaw(_ZmqBase, frozen=True, kw_only=True, tag="match"):
+    """``ZmqMatch`` as the server decodes it when the compiled core is built:
+    ``token_ids`` stays the raw msgpack array, read by ``_native.msgpack_tokens``
+    into a u64 buffer (1k Python ints cost more to build than a routing decision).
+    """
+
+    token_ids: msgspec.Raw
+    lora_id: LoraId | None = None
+    salt: str | None = None
+
+
+class ZmqRouteRaw(ZmqMatchRaw, frozen=True, kw_only=True, tag="route"):
+    request_id: str | int | None = None
+
+
+ZmqRequestRaw = ZmqMatchRaw | ZmqRouteRaw | ZmqRelease | ZmqWorkers | ZmqHealth
 ZMQ_OPS = ("match", "route", "release", "workers", "health")
 
 
@@ -178,9 +197,13 @@ def request_id_text(value: str | int | None, limits: ApiLimits) -> str | None:
     return text
 
 
-def validate_request(req: MatchRequest | ZmqMatch, limits: ApiLimits) -> None:
-    """Checks msgspec cannot express statically (limits are configurable)."""
-    n = len(req.token_ids)
+def validate_request(req: MatchRequest | ZmqMatch | ZmqMatchRaw, limits: ApiLimits, num_tokens: int | None = None) -> None:
+    """Checks msgspec cannot express statically (limits are configurable).
+
+    ``num_tokens``: the prompt length when ``req.token_ids`` is not the
+    decoded list (the ZMQ API reads it from the raw msgpack array).
+    """
+    n = len(req.token_ids) if num_tokens is None else num_tokens
     if n > limits.max_tokens:
         raise RouterApiError(413, f"token_ids has {n} tokens, limit {limits.max_tokens}")
     if req.salt is not None and len(req.salt) > 4096:
