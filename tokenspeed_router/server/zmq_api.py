@@ -221,7 +221,7 @@ class ZmqApiServer:
         try:
             data = _msgpack_tokens(req.token_ids)
         except ValueError as err:
-            raise ApiError(400, f"invalid request: {err}") from None
+            raise RouterApiError(400, f"invalid request: {err}") from None
         tokens = array.array("Q")
         tokens.frombytes(data)
         return tokens
