@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -237,7 +238,7 @@ def test_serve_refuses_a_port_in_use(capsys: pytest.CaptureFixture[str]) -> None
     assert "cannot listen on" in capsys.readouterr().err
 
 
-def test_env_workers_and_separators() -> None:
+def test_env_workers_and_separators(caplog: pytest.LogCaptureFixture) -> None:
     """``TOKENSPEED_ROUTER_WORKERS``: specs split on ';' or newlines; the flag still wins."""
     specs = "name=a,events=tcp://127.0.0.1:6000\nname=b,events=tcp://127.0.0.1:6001;name=c,events=tcp://127.0.0.1:6002\n"
     config = load_server_config({}, {"TOKENSPEED_ROUTER_WORKERS": specs})
@@ -245,8 +246,10 @@ def test_env_workers_and_separators() -> None:
     config = load_server_config({"workers": ["name=f,events=tcp://127.0.0.1:7000"]},
                                 {"TOKENSPEED_ROUTER_WORKERS": specs})
     assert [w.name for w in config.workers] == ["f"]
-    # the old singular spelling is not read (it is logged as unknown)
-    assert load_server_config({}, {"TOKENSPEED_ROUTER_WORKER": specs}).workers == ()
+    # the old singular spelling is not read (it is logged as unknown, naming the right one)
+    with caplog.at_level(logging.WARNING, logger="tokenspeed_router.server.config"):
+        assert load_server_config({}, {"TOKENSPEED_ROUTER_WORKER": specs}).workers == ()
+    assert "TOKENSPEED_ROUTER_WORKER (write TOKENSPEED_ROUTER_WORKERS)" in caplog.text
     config = load_server_config({}, {"TOKENSPEED_ROUTER_ROUTER_OPTIONS": "queue_weight=0.25"})
     assert config.router.queue_weight == 0.25
 
@@ -299,7 +302,7 @@ events = "tcp://127.0.0.1:5600"
     ("text", "message"),
     [
         ("zmq-api = 'tcp://127.0.0.1:1'", "unknown key(s) 'zmq-api' (write 'zmq_api')"),
-        ("[[worker]]\nname = 'a'\nevents = 'tcp://127.0.0.1:1'", "unknown key(s) 'worker'"),
+        ("[[worker]]\nname = 'a'\nevents = 'tcp://127.0.0.1:1'", "unknown key(s) 'worker' (write 'workers')"),
         ("[workers.a]\nevents = 'tcp://127.0.0.1:1'", "write the worker list as [[workers]] tables"),
         ("workers = ['name=a,events=tcp://127.0.0.1:1']", "write the worker list as [[workers]] tables"),
         ("[router]\npolicy = 'random'", "policy is a setting of its own"),

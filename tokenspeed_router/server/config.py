@@ -271,10 +271,17 @@ def parse_router_options(items: Any, what: str) -> dict[str, Any]:
     return out
 
 
+def _right_spelling(key: str) -> str | None:
+    """The known key a near-miss means (``zmq-api`` -> ``zmq_api``, ``worker`` -> ``workers``), else None."""
+    for guess in (key.replace("-", "_"), key.replace("-", "_") + "s"):
+        if guess in KNOWN_KEYS:
+            return guess
+    return None
+
+
 def _unknown(keys: set[str], source: str) -> None:
     if keys:
-        hints = [f"{k!r} (write {k.replace('-', '_')!r})" if k.replace("-", "_") in KNOWN_KEYS else repr(k)
-                 for k in sorted(keys)]
+        hints = [f"{k!r} (write {right!r})" if (right := _right_spelling(k)) else repr(k) for k in sorted(keys)]
         raise ConfigError(f"{source}: unknown key(s) {', '.join(hints)} (known: {', '.join(KNOWN_KEYS)})")
 
 
@@ -308,7 +315,9 @@ def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
             out[key] = value
         else:
             # Not fatal: other parts of the CLI may own TOKENSPEED_ROUTER_* names.
-            logger.warning("ignoring unknown environment variable %s", var)
+            right = _right_spelling(key)
+            hint = "" if right is None else f" (write {_ROUTER_ENV if right == 'router' else ENV_PREFIX + right.upper()})"
+            logger.warning("ignoring unknown environment variable %s%s", var, hint)
     return out
 
 
