@@ -87,11 +87,11 @@ def main() -> None:
             r = httpx.post(f"http://127.0.0.1:{port}/match", json={"token_ids": PROMPT}, timeout=2)
             return dict(r.json()["scores"])
 
-        for _ in range(20):  # until the leader's subscription is up (slow joiner)
+        def published_and_seen() -> bool:  # republished until the leader's subscription is up (slow joiner)
             publish(2)
-            if all(scores(p).get("w0") == 2 for p in ports):
-                break
-            threading.Event().wait(0.1)
+            return all(scores(p).get("w0") == 2 for p in ports)
+
+        wait(published_and_seen)
         print("both replicas:", [scores(p) for p in ports])
 
         procs[leader].send_signal(signal.SIGKILL)
