@@ -57,7 +57,8 @@ from tokenspeed_router.events.schema import KVEventBatch
 from tokenspeed_router.events.subscriber import BatchReceived, SubscriberItem
 from tokenspeed_router.router.index import KvIndex
 from tokenspeed_router.router.ingest import IndexIngestor, WorkerState
-from tokenspeed_router.router.router import Router
+from tokenspeed_router.router.router import PeerLoad, Router
+from tokenspeed_router.router.scoring import WorkerLoad
 from tokenspeed_router.server.api import ApiError
 from tokenspeed_router.server.config import ServerConfig, SubscriberSpec, WorkerSpec
 from tokenspeed_router.server.ingest_loop import IngestLoop
@@ -188,6 +189,7 @@ class RouterService:
         self._stopped = False
         self._ingesting = False
         self._state_health: Callable[[], dict[str, Any]] | None = None
+        self._peer_load: PeerLoad | None = None
         #: the ``source`` written in the header of a ``--record`` log
         self.record_source = record_source
 
@@ -407,7 +409,7 @@ class RouterService:
         """
         self.index = index
         self.ingestor = IndexIngestor(index, on_state_change=self._on_state_change)
-        self.router = Router(index, self.router.config)
+        self.router = Router(index, self.router.config, peer_load=self._peer_load)
         for name, role in self._roles.items():
             self.router.add_worker(name, role)
             self.ingestor.add_worker(name)
@@ -421,6 +423,21 @@ class RouterService:
                     self.router.add_worker(sub.name, sub.role)
                     self._roles[sub.name] = sub.role
             self.metrics.workers.set(len(self._subs))
+
+    def attach_peer_load(self, peer_load: PeerLoad | None) -> None:
+        """Add other router replicas' in-flight load to routing (None: stop).
+
+        The Redis state backend calls it once its :class:`SharedLoad` runs; it
+        survives :meth:`replace_index`.
+        """
+        with self._lock:
+            self._peer_load = peer_load
+            self.router.set_peer_load(peer_load)
+
+    def local_load(self) -> dict[str, WorkerLoad]:
+        """This process's own in-flight load per worker (any thread; takes the lock)."""
+        with self._lock:
+            return self.router.load()
 
     # --- queries ---------------------------------------------------------------------
 
@@ -479,6 +496,7 @@ class RouterService:
         with self._lock:
             statuses = self.ingestor.statuses()
             load = self.router.load()
+            peers = self._peer_load.peers() if self._peer_load is not None else {}
             names = list(dict.fromkeys([*self._subs, *self._roles, *statuses]))
             for name in names:
                 st = statuses.get(name)
@@ -509,6 +527,8 @@ class RouterService:
                     "lag": lag,
                     "ingest_delay_s": st.lag_s if st is not None else None,
                     "in_flight": getattr(wl, "active_requests", 0) if wl is not None else 0,
+                    # requests other router replicas have in flight there (shared load)
+                    "in_flight_peers": peers[name].active_requests if name in peers else 0,
                     "connected": connected.get(name),
                     "events_endpoint": sub.events if sub is not None else None,
                     "replay_endpoint": sub.replay if sub is not None else None,

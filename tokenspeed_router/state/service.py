@@ -11,12 +11,15 @@ The router service (``tokenspeed_router.server.app``) calls
 * subscribes (``start_ingestion`` from the stream's last seqs) when this
   replica takes the lease, unsubscribes when it loses it;
 * reports role, degradation and lag (``health()``; a Prometheus collector on
-  the service's registry for ``/metrics``).
+  the service's registry for ``/metrics``);
+* shares this replica's in-flight load with the other replicas and adds
+  theirs to its router (:mod:`.load`; ``share_load=0`` in the URL turns it
+  off), through ``attach_peer_load`` and ``local_load`` of the service.
 
 The service is used duck-typed (``index``, ``ingestor``, ``apply_item``,
 ``locked``, ``replace_index``, ``ensure_worker_locked``, ``start_ingestion``,
-``stop_ingestion``, ``health``, ``metrics``), so this package does not
-import the server.
+``stop_ingestion``, ``health``, ``metrics``, ``local_load``,
+``attach_peer_load``), so this package does not import the server.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from tokenspeed_router.events.subscriber import SubscriberItem
 from tokenspeed_router.state.config import RedisStateConfig
+from tokenspeed_router.state.load import SharedLoad
 from tokenspeed_router.state.replica import RedisStateReplica
 
 __all__ = ["RedisIngestSink", "StateCollector", "create_ingest_sink"]
@@ -48,17 +52,27 @@ class RedisIngestSink:
         self.replica = replica
         self._service = service
         self._stop = threading.Event()
+        #: Load sharing with the other replicas (None when ``share_load`` is off).
+        self.shared_load: SharedLoad | None = None
 
     def submit(self, item: SubscriberItem) -> None:
         self.replica.submit(item)
 
     def close(self) -> None:
         self._stop.set()
+        if self.shared_load is not None:
+            detach = getattr(self._service, "attach_peer_load", None)
+            if detach is not None:
+                detach(None)
+            self.shared_load.close()
         self.replica.close()
 
     def health(self) -> dict[str, object]:
         """The ``state`` part of ``/health``."""
-        return self.replica.health().to_dict()
+        out = self.replica.health().to_dict()
+        if self.shared_load is not None:
+            out["shared_load"] = self.shared_load.statistics().to_dict()
+        return out
 
     # ingestion control, called from the replica's lease thread
 
@@ -83,8 +97,12 @@ def create_ingest_sink(url: str, service: Any) -> RedisIngestSink:
     replica.set_ingestion((sink.start_ingestion, sink.stop_ingestion))
     metrics = getattr(service, "metrics", None)
     if metrics is not None and hasattr(metrics, "add_collector"):
-        metrics.add_collector(StateCollector(replica))
+        metrics.add_collector(StateCollector(replica, lambda: sink.shared_load))
     report = replica.start()
+    if config.share_load and hasattr(service, "attach_peer_load"):
+        # after the warm start: it may replace the service's router
+        sink.shared_load = SharedLoad(config, service.local_load).start()
+        service.attach_peer_load(sink.shared_load)
     logger.info("state: replica %s on %s (cluster %s): warm start %s in %.3fs, %d blocks",
                 config.replica_id, _redact(config.url), config.cluster, report.source,
                 report.total_s, report.num_blocks)
@@ -103,8 +121,10 @@ def _redact(url: str) -> str:
 class StateCollector:
     """Prometheus metrics of the state backend, sampled at scrape time."""
 
-    def __init__(self, replica: RedisStateReplica) -> None:
+    def __init__(self, replica: RedisStateReplica,
+                 shared: Callable[[], SharedLoad | None] = lambda: None) -> None:
         self._replica = replica
+        self._shared = shared
 
     def describe(self) -> Iterable[Any]:
         return []
@@ -153,5 +173,20 @@ class StateCollector:
                                          h.dropped),
             "tokenspeed_state_takeovers": ("times this replica became the leader", h.takeovers),
         }
+        shared = self._shared()
+        if shared is not None:
+            s = shared.statistics()
+            gauges_load = {
+                "tokenspeed_state_load_peers": ("other live replicas sharing in-flight load", s.peers),
+                "tokenspeed_state_load_peer_requests": ("requests in flight on other replicas",
+                                                        s.peer_requests),
+                "tokenspeed_state_load_fallback": ("1 while routing on local load only (Redis down)",
+                                                   float(s.fallback)),
+            }
+            for name, (doc, value) in gauges_load.items():
+                yield GaugeMetricFamily(name, doc, value=float(value))
+            counters["tokenspeed_state_load_syncs"] = ("in-flight load syncs with Redis", s.syncs)
+            counters["tokenspeed_state_load_sync_errors"] = ("in-flight load syncs that failed",
+                                                             s.sync_errors)
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(value))
