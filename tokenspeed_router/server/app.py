@@ -523,6 +523,7 @@ class RouterService:
                     "replayed_batches": self._replayed.get(name, 0),
                     "gaps": stats[name].gaps if name in stats else 0,
                     "malformed_frames": stats[name].malformed_total if name in stats else 0,
+                    "duplicates": stats[name].duplicates if name in stats else 0,
                     "lag_s": lag,
                     "lag": lag,
                     "ingest_delay_s": st.lag_s if st is not None else None,
@@ -641,6 +642,7 @@ class RouterService:
                     replay_requests=subs[name].replay_requests if name in subs else 0,
                     replay_timeouts=subs[name].replay_timeouts if name in subs else 0,
                     malformed=subs[name].malformed_total if name in subs else 0,
+                    duplicates=subs[name].duplicates if name in subs else 0,
                     lag_s=(now - st.last_batch_ts) if st.last_batch_ts else None,
                     blocks_by_tier=self.index.blocks_by_tier(name),
                 )
