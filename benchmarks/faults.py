@@ -54,7 +54,7 @@ from typing import Any
 
 import httpx
 import zmq
-from harness import REPO, RedisServer, Serve, wait_for
+from harness import RedisServer, Serve, rss_bytes, shared_dir, wait_for
 
 from tokenspeed_router.cache import PrefixCache
 from tokenspeed_router.events import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
@@ -539,10 +539,11 @@ def fault_leader_failover(ctx: Ctx) -> Row:
 
 def _captured_frames() -> list[list[bytes]]:
     """Live frames recorded from real engines (shared/captures), plus our own encoder's."""
-    shared = Path(os.environ.get("TOKENSPEED_SHARED", REPO.parent / "shared")) / "captures"
     frames: list[list[bytes]] = []
-    for path in sorted(shared.glob("*/*.sub.kvcap")):
+    for path in sorted((shared_dir() / "captures").glob("*/*.sub.kvcap")):
         frames.extend(list(r.frames) for r in read_kvcap(path))
+    if not frames:
+        raise SystemExit("no captured frames under shared/captures")
     toks = list(range(4 * BLOCK))
     ev = BlockStored(block_hashes=list(block_hashes(toks, BLOCK)), parent_block_hash=None,
                      token_ids=toks, block_size=BLOCK)
@@ -662,16 +663,21 @@ def fault_oversized(ctx: Ctx) -> Row:
             c.drive(20)
             c.wait_recovered(serve)
             wait_for(lambda: _sentinel(c, serve, sock, "big", 7 * 10**8), 60, "the junk stream to connect")
+            rss_before = rss_bytes(serve.pid)
             big = b"\x93" + b"\xcb" + b"\x00" * (65 << 20)
             for i in range(n):
                 sock.send_multipart([b"", (10**6 + i).to_bytes(8, "big"), big])
                 c.drive(5)
             seen = _sentinel(c, serve, sock, "big", 9 * 10**8)
+            rss_after = rss_bytes(serve.pid)
             ws = serve.get("/workers")["big"]
             c.finish(row, serve, recovered=seen)
             row.injected = f"{n} frames of 65 MiB (limit 64 MiB) between valid traffic"
-            row.detected = f"malformed {ws['malformed_frames']} (payload_size), RSS not pinned"
-            row.extra = {"malformed_frames": ws["malformed_frames"]}
+            mb = 1 << 20
+            row.detected = (f"malformed {ws['malformed_frames']} (payload_size); serve RSS "
+                            f"{rss_before / mb:.0f} -> {rss_after / mb:.0f} MB")
+            row.extra = {"malformed_frames": ws["malformed_frames"], "rss_before": rss_before,
+                         "rss_after": rss_after}
         finally:
             sock.close(0)
     return row

@@ -26,6 +26,16 @@ REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 
 
+def shared_dir() -> Path:
+    """The project's shared/ folder: $TOKENSPEED_SHARED, else the nearest ``shared/`` above the checkout."""
+    env = os.environ.get("TOKENSPEED_SHARED")
+    candidates = [Path(env)] if env else [p / "shared" for p in REPO.parents]
+    for path in candidates:
+        if (path / "captures").is_dir():
+            return path
+    raise SystemExit("shared/ (captures, traces) not found: set TOKENSPEED_SHARED")
+
+
 def free_port() -> int:
     """An OS-chosen free loopback port (for servers that need a number up front)."""
     with socket.socket() as s:
