@@ -349,10 +349,10 @@ class Cluster:
         self.killed.add(serve.pid)
         serve.kill()
 
-    def finish(self, row: Row, serve: Serve, recovered: bool | None = None) -> Row:
+    def finish(self, row: Row, serve: Serve, recovered: bool | None = None, timeout_s: float = 120.0) -> Row:
         """Clean tail, wait, then fill recovered / truth / crashes / lost."""
         self.tail()
-        ok = self.wait_recovered(serve) if recovered is None else recovered and self.wait_recovered(serve)
+        ok = self.wait_recovered(serve, timeout_s) and (recovered is None or recovered)
         row.recovered = ok and serve.alive()
         row.truth, mismatches = self.truth(serve) if serve.alive() else (False, -1)
         if mismatches:
@@ -487,7 +487,7 @@ def fault_slow_consumer(ctx: Ctx) -> Row:
         before = [e.last_seq for e in c.engines]
         os.kill(serve.pid, signal.SIGSTOP)
         try:
-            flood = c.ctx.steps(3000, 10_000)  # within the replay ring (10,000 batches)
+            flood = c.ctx.steps(3000, 6000)  # within the replay ring (10,000 batches)
             for _ in range(flood):
                 for e in c.engines:
                     e.fresh(blocks=40)  # ~3.5 KB batches: far more than socket buffers hold
@@ -496,7 +496,7 @@ def fault_slow_consumer(ctx: Ctx) -> Row:
         finally:
             os.kill(serve.pid, signal.SIGCONT)
         published = sum(e.last_seq - b for e, b in zip(c.engines, before, strict=True))
-        c.finish(row, serve)
+        c.finish(row, serve, timeout_s=300)
         k = c.counters(serve)
         row.injected = f"router stopped while {published} batches were published (PUB hwm 50)"
         row.detected = _fmt(k, "gaps", "replayed_batches", "resyncs")
