@@ -22,13 +22,16 @@ process's resident set size (``/proc/PID/status``) every ``--sample-s``.
 Figures: events applied, events/s, blocks held (must be constant), RSS at the
 end of warm-up (``--warmup`` fraction of the events, default 20 %), RSS at the
 end, max after warm-up, growth % (end vs warm-up; target: within 10 %) and
-the RSS slope after warm-up in MB/hour (dynamo#10774 grew ~20 GB/h).
+the RSS slope after warm-up in MB/hour (dynamo#10774 grew ~20 GB/h), and the
+growth over the second half of the events (a leak keeps growing there; an
+allocator settling after warm-up does not).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import threading
 import time
@@ -106,8 +109,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def sampler() -> None:
         t0 = time.monotonic()
+        next_report = 30.0
         while not stop.is_set():
-            samples.append(Sample(time.monotonic() - t0, applied[0], rss_bytes(serve.pid)))
+            s = Sample(time.monotonic() - t0, applied[0], rss_bytes(serve.pid))
+            samples.append(s)
+            if s.t_s >= next_report:  # progress for long runs
+                next_report += 30.0
+                print(f"# {s.t_s:.0f}s: {s.events:,} events applied, RSS {s.rss / 2**20:.1f} MB",
+                      file=sys.stderr, flush=True)
             stop.wait(args.sample_s)
 
     thread = threading.Thread(target=sampler, name="rss-sampler", daemon=True)
@@ -179,6 +188,7 @@ def summarise(args: argparse.Namespace, samples: list[Sample], applied: int, pub
         mr = sum(s.rss for s in after) / n
         var = sum((s.t_s - mt) ** 2 for s in after)
         slope = sum((s.t_s - mt) * (s.rss - mr) for s in after) / var if var else 0.0
+    half = next((s for s in samples if s.events >= applied / 2 and s.rss), end)
     mb = 1024 * 1024
     return {
         "events_published": published,
@@ -195,6 +205,8 @@ def summarise(args: argparse.Namespace, samples: list[Sample], applied: int, pub
         "rss_peak_after_warm_mb": round(peak / mb, 1),
         "growth_pct": round(100.0 * (end.rss - warm.rss) / warm.rss, 2) if warm.rss else None,
         "slope_mb_per_h": round(slope * 3600 / mb, 1),
+        "rss_half_mb": round(half.rss / mb, 1),
+        "growth_second_half_pct": round(100.0 * (end.rss - half.rss) / half.rss, 2) if half.rss else None,
         "samples": [(round(s.t_s, 2), s.events, s.rss) for s in samples],
         **extra,
     }
