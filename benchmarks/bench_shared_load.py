@@ -15,13 +15,13 @@ a Mooncake trace through several routing set-ups:
   event but only its own in-flight load;
 * **N replicas, shared** — the same, with each replica's ``SharedLoad``
   syncing through a real ``redis-server`` (the production code path,
-  ``state/load.py``). ``--staleness-ms`` sets how old a replica's view of
-  the others may get (trace time) before it syncs: 0 (sync before every
-  decision: the best sharing can do), 5 ms (the live defaults while replicas
-  are busy routing: each local change triggers a sync after at most
-  ``load_min_interval_s``) and 55 ms (the live bound for a replica that was
-  idle: ``load_refresh_s`` + ``load_min_interval_s``). Modelled staleness
-  applies to publishing and reading alike, so it errs on the stale side.
+  ``state/load.py``), synced the way the live ``state-load`` thread does,
+  on the trace's clock: a replica whose load changed (route, first token,
+  finish) syncs once 5 ms (``load_min_interval_s``) have passed since its
+  last sync; a replica about to route re-reads when its view is older than
+  ``--staleness-ms``: 0 (the best sharing can do), 5 ms (a replica busy
+  routing: its own changes keep it fresh) and 55 ms (the live bound for a
+  replica that was idle: ``load_refresh_s`` + ``load_min_interval_s``).
 
 Figures: TTFT p50/p99/mean, cache hit ratio and load imbalance (busiest
 worker's prefill time over the mean), per set-up, from the simulator's own
@@ -58,6 +58,8 @@ class ReplicaSet:
         self.reps = [RouterBackend("kv_aware", cluster, sim) for _ in range(n)]
         self.sim = sim
         self.staleness_s = staleness_s
+        self.min_interval_s = min(staleness_s, 0.005)
+        self.dirty = [False] * n
         self.owner: dict[str, int] = {}
         self.turn = 0
         self.shared: list[SharedLoad] = []
@@ -73,39 +75,51 @@ class ReplicaSet:
         kind = "shared" if redis_url is not None else "not shared"
         self.name = f"{n} replicas, {kind}" + (f" ({staleness_s * 1000:g} ms)" if self.shared else "")
 
-    def _sync_due(self) -> None:
-        """Every replica whose view is older than the staleness bound syncs (publish + read)."""
+    def _sync(self, i: int, now: float) -> None:
+        self.shared[i].sync_now()
+        self.last_sync[i] = now
+        self.dirty[i] = False
+        self.syncs += 1
+
+    def _publish_due(self) -> None:
+        """As the live ``state-load`` threads do: a replica whose load changed syncs once
+        ``load_min_interval_s`` has passed since its last sync (``min_interval_s`` here)."""
         now = self.sim.now()
-        for i, shared in enumerate(self.shared):
-            if now - self.last_sync[i] >= self.staleness_s:
-                shared.sync_now()
-                self.last_sync[i] = now
-                self.syncs += 1
+        for j in range(len(self.shared)):
+            if self.dirty[j] and now - self.last_sync[j] >= self.min_interval_s:
+                self._sync(j, now)
+
+    def _changed(self, i: int) -> None:
+        if self.shared:
+            self.dirty[i] = True
+            self._publish_due()
 
     def route(self, request: TraceRequest, tokens: np.ndarray) -> RouteChoice:
         i = self.turn % len(self.reps)
         self.turn += 1
         if self.shared:
-            if self.staleness_s == 0:
-                for j in range(len(self.shared)):  # everyone's latest change is in Redis...
-                    if j != i:
-                        self.shared[j].sync_now()
-                self.shared[i].sync_now()  # ...and this replica reads it
-                self.syncs += len(self.shared)
-            else:
-                self._sync_due()
+            self._publish_due()
+            now = self.sim.now()
+            if now - self.last_sync[i] >= self.staleness_s:  # the reader's view is too old
+                self._sync(i, now)
         self.owner[request.request_id] = i
-        return self.reps[i].route(request, tokens)
+        choice = self.reps[i].route(request, tokens)
+        self._changed(i)
+        return choice
 
     def deliver(self, worker: str, seq: int, events: list[Event], now: float) -> None:
         for rep in self.reps:  # every replica's index follows every engine
             rep.deliver(worker, seq, events, now)
 
     def prefill_done(self, request_id: str, now: float) -> None:
-        self.reps[self.owner[request_id]].prefill_done(request_id, now)
+        i = self.owner[request_id]
+        self.reps[i].prefill_done(request_id, now)
+        self._changed(i)
 
     def finished(self, request_id: str, now: float) -> None:
-        self.reps[self.owner.pop(request_id)].finished(request_id, now)
+        i = self.owner.pop(request_id)
+        self.reps[i].finished(request_id, now)
+        self._changed(i)
 
     def close(self) -> None:
         for s in self.shared:
