@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("tokenspeed_router.server.cli_inspect", "summarise an event log or a live router"),
     "simulate": ("tokenspeed_router.sim.cli_simulate", "trace-driven evaluation of routing policies"),
     "bench": ("tokenspeed_router.router.bench", "benchmark ingestion, matching and routing"),
+    "engine-sim": (
+        "tokenspeed_router.engine_sim.cli_engine_sim",
+        "a simulated vLLM engine: OpenAI API, real prefix cache, real KV events",
+    ),
 }
 
 
