@@ -279,9 +279,25 @@ class Cluster:
         return all(ws.get(e.name, {}).get("last_seq") == e.last_seq and ws[e.name]["state"] == "live"
                    for e in self.engines)
 
-    def wait_recovered(self, serve: Serve, timeout_s: float = 60.0) -> bool:
+    def wait_recovered(self, serve: Serve, timeout_s: float = 60.0, *, traffic: bool = False) -> bool:
+        """Wait until the router applied every engine's last batch.
+
+        ``traffic``: keep live traffic flowing meanwhile (a batch per engine
+        every half second until caught up), so that frames lost at the very
+        end of a fault are revealed by the next batch, as in production.
+        """
+        last = [time.monotonic()]
+
+        def done() -> bool:
+            if self.caught_up(serve):
+                return True
+            if traffic and time.monotonic() - last[0] > 0.5:
+                last[0] = time.monotonic()
+                self.tail(1)
+            return False
+
         try:
-            wait_for(lambda: self.caught_up(serve), timeout_s, "the router to catch up", interval_s=0.05)
+            wait_for(done, timeout_s, "the router to catch up", interval_s=0.05)
             return True
         except TimeoutError:
             return False
@@ -343,16 +359,25 @@ class Cluster:
         ws = serve.get("/workers")
         keys = ("gaps", "replayed_batches", "duplicates", "restarts", "resyncs", "malformed_frames",
                 "events_rejected")
-        return {k: sum(int(ws[e.name].get(k) or 0) for e in self.engines) for k in keys}
+        out = {k: sum(int(ws[e.name].get(k) or 0) for e in self.engines) for k in keys}
+        names = {e.name for e in self.engines}
+        out["replay_timeouts"] = 0
+        for line in serve.http.get("/metrics").text.splitlines():
+            if line.startswith("tokenspeed_ingest_replay_timeouts_total{"):
+                worker = line.split('worker="', 1)[1].split('"', 1)[0]
+                if worker in names:
+                    out["replay_timeouts"] += int(float(line.rsplit(" ", 1)[1]))
+        return out
 
     def kill(self, serve: Serve) -> None:
         self.killed.add(serve.pid)
         serve.kill()
 
-    def finish(self, row: Row, serve: Serve, recovered: bool | None = None, timeout_s: float = 120.0) -> Row:
+    def finish(self, row: Row, serve: Serve, recovered: bool | None = None, timeout_s: float = 120.0,
+               traffic: bool = False) -> Row:
         """Clean tail, wait, then fill recovered / truth / crashes / lost."""
         self.tail()
-        ok = self.wait_recovered(serve, timeout_s) and (recovered is None or recovered)
+        ok = self.wait_recovered(serve, timeout_s, traffic=traffic) and (recovered is None or recovered)
         row.recovered = ok and serve.alive()
         row.truth, mismatches = self.truth(serve) if serve.alive() else (False, -1)
         if mismatches:
@@ -411,7 +436,7 @@ def _proxy_fault(ctx: Ctx, name: str, **probs: float) -> Row:
         if probs.get("reorder_p"):
             parts.append(f"{reo} frames sent after their successor")
         row.injected = "; ".join(parts)
-        row.detected = _fmt(k, "gaps", "replayed_batches", "duplicates", "resyncs")
+        row.detected = _fmt(k, "gaps", "replayed_batches", "duplicates", "resyncs", "replay_timeouts")
         row.extra = {"dropped": dropped, "duplicated": dup, "reordered": reo, **k}
     return row
 
@@ -496,7 +521,9 @@ def fault_slow_consumer(ctx: Ctx) -> Row:
         finally:
             os.kill(serve.pid, signal.SIGCONT)
         published = sum(e.last_seq - b for e, b in zip(c.engines, before, strict=True))
-        c.finish(row, serve, timeout_s=300)
+        # the tail right after SIGCONT is itself dropped while the router drains its
+        # buffers: live traffic goes on until the router sees the gap
+        c.finish(row, serve, timeout_s=300, traffic=True)
         k = c.counters(serve)
         row.injected = f"router stopped while {published} batches were published (PUB hwm 50)"
         row.detected = _fmt(k, "gaps", "replayed_batches", "resyncs")
@@ -897,13 +924,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--logs", type=Path, help="keep the serve/relay logs in this folder")
     args = parser.parse_args(argv)
     names = args.only.split(",") if args.only else list(FAULTS)
     unknown = [n for n in names if n not in FAULTS]
     if unknown:
         parser.error(f"unknown fault(s) {unknown}; known: {', '.join(FAULTS)}")
     with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
-        ctx = Ctx(quick=args.quick, workdir=Path(tmp), seed=args.seed, num_engines=args.engines)
+        workdir = Path(tmp)
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            workdir = args.logs
+        ctx = Ctx(quick=args.quick, workdir=workdir, seed=args.seed, num_engines=args.engines)
         try:
             rows = run(names, ctx)
         finally:
