@@ -19,10 +19,10 @@ from support import REPO_ROOT
 pytestmark = pytest.mark.slow
 
 
-def test_quick_fault_matrix_recovers_from_loss_and_engine_restart(tmp_path: Path) -> None:
+def test_quick_fault_matrix_recovers_from_loss_duplicates_and_engine_restart(tmp_path: Path) -> None:
     out = tmp_path / "faults.json"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/faults.py", "--quick", "--only", "loss_10pct,engine_restart",
+        [sys.executable, "benchmarks/faults.py", "--quick", "--only", "loss_10pct,dup,engine_restart",
          "--json", str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
     )
@@ -30,10 +30,12 @@ def test_quick_fault_matrix_recovers_from_loss_and_engine_restart(tmp_path: Path
     rows = {r["fault"]: r for r in json.loads(out.read_text())["rows"]}
     loss = rows["frame loss 10%"]
     restart = rows["engine (publisher) restart"]
-    for row in (loss, restart):
+    dup = rows["duplicated frames (10%)"]
+    for row in (loss, restart, dup):
         assert row["recovered"] and row["truth"], row
         assert row["crashes"] == 0 and row["lost"] == 0, row
     assert loss["extra"]["dropped"] > 0, "the proxy must actually drop frames"
     assert loss["extra"]["gaps"] > 0 and loss["extra"]["replayed_batches"] >= loss["extra"]["dropped"]
+    assert dup["extra"]["duplicated"] > 0 and dup["extra"]["duplicates"] >= dup["extra"]["duplicated"]
     assert restart["extra"]["restarts"] == 4  # 2 engines x 2 restarts, each seen by the router
     assert "| frame loss 10% |" in proc.stdout  # the printed table
