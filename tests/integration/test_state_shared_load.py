@@ -227,6 +227,7 @@ def test_two_serve_processes_share_load(redis_url: str, tmp_path: Path) -> None:
         procs[0].proc.wait()  # type: ignore[union-attr]
         wait_until(lambda: sum(w["in_flight_peers"] for w in procs[1].workers().values()) == 0,
                    15, interval_s=0.05, what="the killed replica's load to expire")
+        assert procs[1].stop() == 0  # clean shutdown with the load thread running
     finally:
         for p in procs:
             if p.proc is not None:
