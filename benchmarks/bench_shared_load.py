@@ -142,8 +142,9 @@ class _StaticPeers:
     def peers(self) -> dict[str, WorkerLoad]:
         return self.view
 
-    def changed(self) -> None:
-        self.event.set()
+    def changed(self) -> None:  # as SharedLoad.changed (cleared by its sync thread, not here)
+        if not self.event.is_set():
+            self.event.set()
 
 
 def route_cost(workers: int = 8, prompt_tokens: int = 1024, n: int = 2000) -> dict[str, float]:

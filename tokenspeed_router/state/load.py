@@ -195,8 +195,13 @@ class SharedLoad:
         return self._peers
 
     def changed(self) -> None:
-        """This replica's load changed: publish it soon."""
-        self._dirty.set()
+        """This replica's load changed: publish it soon.
+
+        ``is_set`` first: a plain read, where ``set`` takes a lock and notifies;
+        between two syncs (``load_min_interval_s``) only the first change pays.
+        """
+        if not self._dirty.is_set():
+            self._dirty.set()
 
     # ------------------------------------------------------------ lifecycle
 
