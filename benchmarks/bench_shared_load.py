@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from harness import RedisServer, shared_dir
+from harness import RedisServer, data_dir
 
 from tokenspeed_router.events.schema import Event
 from tokenspeed_router.router.router import Router, RouterConfig
@@ -170,7 +170,7 @@ def route_cost(workers: int = 8, prompt_tokens: int = 1024, n: int = 2000) -> di
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    trace = shared_dir() / "traces" / "mooncake" / f"{args.trace}_trace.jsonl"
+    trace = data_dir("traces") / "mooncake" / f"{args.trace}_trace.jsonl"
     requests = load_mooncake(trace, TraceWindow(max_requests=args.requests, rate_scale=args.rate_scale))
     cluster = ClusterConfig(num_workers=args.workers, capacity_tokens=args.capacity_tokens, seed=1)
     redis = RedisServer().start()

@@ -54,7 +54,7 @@ from typing import Any
 
 import httpx
 import zmq
-from harness import RedisServer, Serve, free_port, rss_bytes, shared_dir, wait_for
+from harness import RedisServer, Serve, data_dir, free_port, rss_bytes, wait_for
 
 from tokenspeed_router.cache import PrefixCache
 from tokenspeed_router.events import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
@@ -657,7 +657,7 @@ def fault_router_kill_relay(ctx: Ctx, *, relay: bool = True) -> Row:
 def _captured_frames() -> list[list[bytes]]:
     """Live frames recorded from real engines (shared/captures), plus our own encoder's."""
     frames: list[list[bytes]] = []
-    for path in sorted((shared_dir() / "captures").glob("*/*.sub.kvcap")):
+    for path in sorted(data_dir("captures").glob("*/*.sub.kvcap")):
         frames.extend(list(r.frames) for r in read_kvcap(path))
     if not frames:
         raise SystemExit("no captured frames under shared/captures")

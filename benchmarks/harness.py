@@ -26,14 +26,15 @@ REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 
 
-def shared_dir() -> Path:
-    """The project's shared/ folder: $TOKENSPEED_SHARED, else the nearest ``shared/`` above the checkout."""
+def data_dir(kind: str) -> Path:
+    """Where ``captures`` or ``traces`` live: $TOKENSPEED_SHARED, the nearest ``shared/``
+    above the checkout (full traces), else the copies in ``tests/data`` (trace heads)."""
     env = os.environ.get("TOKENSPEED_SHARED")
-    candidates = [Path(env)] if env else [p / "shared" for p in REPO.parents]
+    candidates = [Path(env)] if env else [*(p / "shared" for p in REPO.parents), REPO / "tests" / "data"]
     for path in candidates:
-        if (path / "captures").is_dir():
-            return path
-    raise SystemExit("shared/ (captures, traces) not found: set TOKENSPEED_SHARED")
+        if (path / kind).is_dir():
+            return path / kind
+    raise SystemExit(f"no {kind}/ found (tests/data or shared/): set TOKENSPEED_SHARED")
 
 
 def free_port() -> int:
