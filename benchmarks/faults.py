@@ -61,7 +61,6 @@ from tokenspeed_router.events import AllBlocksCleared, BlockStored, KVEventBatch
 from tokenspeed_router.events.log import read_kvcap
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 from tokenspeed_router.hashing import block_hashes
-from tokenspeed_router.sim.cluster import probe_hit_tokens
 
 BLOCK = 16
 NUM_PAGES = 48  # small: the workload evicts
@@ -312,7 +311,7 @@ class Cluster:
         for prompt in self.ctx.prompts:
             scores = serve.post("/match", {"token_ids": prompt})["scores"]
             for e in self.engines:
-                if scores.get(e.name, 0) != probe_hit_tokens(e.cache, prompt) // BLOCK:
+                if scores.get(e.name, 0) != e.cache.cached_prefix_length(prompt) // BLOCK:
                     mismatches += 1
         return mismatches == 0, mismatches
 
