@@ -436,7 +436,10 @@ def _proxy_fault(ctx: Ctx, name: str, **probs: float) -> Row:
             parts.append(f"{reo} frames sent after their successor")
         row.injected = "; ".join(parts)
         row.detected = _fmt(k, "gaps", "replayed_batches", "duplicates", "resyncs", "replay_timeouts")
-        row.extra = {"dropped": dropped, "duplicated": dup, "reordered": reo, **k}
+        stats = [e.pub.statistics() for e in c.engines]
+        row.extra = {"dropped": dropped, "duplicated": dup, "reordered": reo, **k,
+                     "engine_replay_requests": sum(st.replay_requests for st in stats),
+                     "engine_replay_errors": sum(st.replay_errors for st in stats)}
     return row
 
 
