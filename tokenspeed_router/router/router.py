@@ -757,6 +757,7 @@ class Router:
         peers = self._peer_load.peers() if self._peer_load is not None else None
         peer_requests: dict[str, int] = {}
         costs: dict[str, float] = {}
+        best = math.inf
         for name in candidates:
             load: Any = workers[name]
             external = provider(name) if provider is not None else None
@@ -782,11 +783,14 @@ class Router:
                     )
                     peer_requests[name] = peer.active_requests
             costs[name] = cost
+            if cost < best:
+                best = cost
         if self._config.temperature > 0.0:
             return sample_softmax(costs, self._config.temperature, self._rng)
         return pick_lowest(
             costs,
             lambda n: (workers[n].active_requests + peer_requests.get(n, 0), workers[n].last_pick),
+            best=best,
         )
 
     def _admit(
