@@ -805,7 +805,7 @@ def fault_oversized(ctx: Ctx) -> Row:
 def _bad_bodies(rng: random.Random) -> Iterator[tuple[str, bytes, dict[str, str]]]:
     """(path, body, headers) of malformed API requests, cycling through kinds."""
     json_h = {"content-type": "application/json"}
-    paths = ["/match", "/route", "/release"]
+    paths = ["/match", "/route", "/release", "/v1/completions", "/v1/chat/completions"]
     kinds: list[Callable[[], tuple[bytes, dict[str, str]]]] = [
         lambda: (rng.randbytes(rng.randrange(1, 200)), json_h),
         lambda: (b"{" * rng.randrange(1, 50_000), json_h),
@@ -817,6 +817,8 @@ def _bad_bodies(rng: random.Random) -> Iterator[tuple[str, bytes, dict[str, str]
         lambda: (json.dumps({"token_ids": [1] * 8, "lora_id": {"x": 1}, "salt": [1]}).encode(), json_h),
         lambda: (json.dumps({"request_id": ["x"]}).encode(), json_h),
         lambda: (json.dumps([1, 2, 3]).encode(), json_h),
+        lambda: (json.dumps({"model": 1, "prompt": [1.5], "messages": "x"}).encode(), json_h),
+        lambda: (json.dumps({"prompt": None, "messages": {"role": "user"}}).encode(), json_h),
         lambda: (b"", json_h),
         lambda: (b"token_ids=1,2,3", {"content-type": "application/x-www-form-urlencoded"}),
         lambda: ('{"token_ids": [1, 2, 3], "salt": "\udcff"}'.encode("utf-8", "surrogatepass"), json_h),
@@ -857,7 +859,8 @@ def fault_http(ctx: Ctx) -> Row:
         in_flight = sum(w["in_flight"] for w in serve.get("/workers").values())
         c.finish(row, serve)
         ok_4xx = sum(n for s, n in statuses.items() if 400 <= s < 500)
-        row.injected = f"{total:,} bad bodies to /match, /route, /release"
+        row.injected = (f"{total:,} bad bodies to /match, /route, /release and the OpenAI "
+                        "/v1/completions, /v1/chat/completions")
         row.detected = (f"{ok_4xx:,} answered 4xx; 5xx {sum(n for s, n in statuses.items() if s >= 500)}; "
                         f"2xx {sum(n for s, n in statuses.items() if s < 300)}; connection errors {errors}")
         row.extra = {"statuses": {str(k): v for k, v in sorted(statuses.items())}, "errors": errors,
