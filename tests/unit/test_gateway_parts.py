@@ -48,6 +48,7 @@ def test_completion_prompt_forms() -> None:
     (b"", None, "invalid_json"),
     (b"{nope", None, "invalid_json"),
     (b"[1]", None, "invalid_json"),
+    (b"[" * 100_000 + b"]" * 100_000, None, "invalid_json"),  # nesting limit (was a 500)
     (b'{"max_tokens": 3}', "prompt", "missing_required_parameter"),
     (b'{"prompt": 5}', "prompt", "invalid_type"),
     (b'{"prompt": []}', "prompt", "invalid_value"),

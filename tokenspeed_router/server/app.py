@@ -73,7 +73,8 @@ from tokenspeed_router.events.schema import KVEventBatch
 from tokenspeed_router.events.subscriber import BatchReceived, SubscriberItem
 from tokenspeed_router.router.index import KvIndex
 from tokenspeed_router.router.ingest import IndexIngestor, WorkerState
-from tokenspeed_router.router.router import Router, WorkerRole
+from tokenspeed_router.router.router import PeerLoad, Router, WorkerRole
+from tokenspeed_router.router.scoring import WorkerLoad
 from tokenspeed_router.server.api import api_errors
 from tokenspeed_router.server.config import ServerConfig, SubscriberSpec, WorkerSpec
 from tokenspeed_router.server.ingest_loop import IngestLoop
@@ -202,6 +203,7 @@ class RouterService:
         #: notified when the ingestion loop starts and when the service stops
         self._loop_changed = threading.Condition()
         self._state_health: Callable[[], dict[str, Any]] | None = None
+        self._peer_load: PeerLoad | None = None
         #: the ``source`` written in the header of a ``--record`` log
         self.record_source = record_source
 
@@ -514,7 +516,7 @@ class RouterService:
         """
         with self._ingest_lock, self._lock:
             ingestor = IndexIngestor(index, on_state_change=self._on_state_change)
-            router = Router(index, self._router.config)
+            router = Router(index, self._router.config, peer_load=self._peer_load)
             for name, role in self._workers.roles.items():
                 if name not in self._workers.unreachable:
                     router.add_worker(name, role)
@@ -573,14 +575,31 @@ class RouterService:
             self.metrics.queries.releases["released" if found else "unknown"] += 1
         return found
 
+    def attach_peer_load(self, peer_load: PeerLoad | None) -> None:
+        """Add other router replicas' in-flight load to routing (None: stop).
+
+        The Redis state backend calls it once its ``SharedLoad`` runs; it
+        survives :meth:`replace_index`.
+        """
+        with self._lock:
+            self._peer_load = peer_load
+            self._router.set_peer_load(peer_load)
+
+    def local_load(self) -> dict[str, WorkerLoad]:
+        """This process's own in-flight load per worker (any thread; takes the lock)."""
+        with self._lock:
+            return self._router.load()
+
     def workers(self) -> dict[str, Any]:
         """``GET /workers``: ``{name: info}`` per stream (see :func:`worker_entries`)."""
         now = self._wall_clock()
         connected = self._loop.connected() if self._loop is not None else {}
         stats = self._loop.statistics() if self._loop is not None else {}
         with self._lock:
+            peers = self._peer_load.peers() if self._peer_load is not None else {}
             return worker_entries(
-                self._workers, self._index, self._ingestor.statuses(), self._router.load(), stats, connected, now
+                self._workers, self._index, self._ingestor.statuses(), self._router.load(), stats, connected, now,
+                peers=peers,
             )
 
     def health(self) -> dict[str, Any]:

@@ -28,14 +28,18 @@ def worker_entries(
     stats: Mapping[str, Any],
     connected: Mapping[str, Any],
     now: float,
+    *,
+    peers: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``GET /workers``: ``{name: info}`` per stream, at the top level (DESIGN §6).
 
     ``info`` holds role, state, blocks held (``blocks``, also as
     ``blocks_held``), last seq, events applied and lag (``lag_s``: seconds
     since the worker's last batch timestamp, also as ``lag``), plus
-    counters and endpoints.
+    counters and endpoints. ``peers``: other router replicas' in-flight load
+    per worker (shared load), reported as ``in_flight_peers``.
     """
+    peers = peers or {}
     out: dict[str, Any] = {}
     for name in registry.names(statuses):
         st = statuses.get(name)
@@ -62,10 +66,13 @@ def worker_entries(
             "replayed_batches": registry.replayed.get(name, 0),
             "gaps": stats[name].gaps if name in stats else 0,
             "malformed_frames": stats[name].malformed_total if name in stats else 0,
+            "duplicates": stats[name].duplicates if name in stats else 0,
             "lag_s": lag,
             "lag": lag,
             "ingest_delay_s": st.lag_s if st is not None else None,
             "in_flight": getattr(wl, "active_requests", 0) if wl is not None else 0,
+            # requests other router replicas have in flight there (shared load)
+            "in_flight_peers": peers[name].active_requests if name in peers else 0,
             "connected": connected.get(name),
             "events_endpoint": sub.events if sub is not None else None,
             "replay_endpoint": sub.replay if sub is not None else None,
@@ -96,6 +103,7 @@ def worker_samples(
             replay_requests=stats[name].replay_requests if name in stats else 0,
             replay_timeouts=stats[name].replay_timeouts if name in stats else 0,
             malformed=stats[name].malformed_total if name in stats else 0,
+            duplicates=stats[name].duplicates if name in stats else 0,
             lag_s=(now - st.last_batch_ts) if st.last_batch_ts else None,
             blocks_by_tier=index.blocks_by_tier(name),
         )
