@@ -55,7 +55,7 @@ def test_dp_ranks_offset_ports_like_vllm() -> None:
         ("name=w0,events=tcp://127.0.0.1:65535,dp_ranks=2", "exceeds port 65535"),
         ("name=w0,events=ipc:///tmp/x,dp_ranks=2", "need tcp://HOST:PORT"),
         ("name=w0,name=w1,events=tcp://127.0.0.1:1", "given twice"),
-        ("name=w0,events", "not key=value"),
+        ("name=w0,events", "not key=value (write name=NAME,events=ENDPOINT[,KEY=VALUE...]"),
         # the router connects to worker endpoints: bind-only forms are refused, naming the endpoint
         ("name=w0,events=tcp://*:5999", "'tcp://*:5999' has host '*', which only works for binding"),
         ("name=w0,events=tcp://127.0.0.1:1,replay=tcp://*:2", "replay: 'tcp://*:2' has host '*'"),

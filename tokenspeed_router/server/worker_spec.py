@@ -109,7 +109,8 @@ class WorkerSpec:
             key, sep, value = part.partition("=")
             key = key.strip()
             if not sep:
-                raise ConfigError(f"worker spec {text!r}: {part!r} is not key=value")
+                raise ConfigError(f"worker spec {text!r}: {part!r} is not key=value "
+                                  "(write name=NAME,events=ENDPOINT[,KEY=VALUE...]; serve --help lists the keys)")
             if key in data:
                 raise ConfigError(f"worker spec {text!r}: key {key!r} given twice")
             data[key] = value.strip()
