@@ -81,7 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for name, (_module_name, help_text) in COMMANDS.items():
         # Parsers for the command actually invoked are filled in lazily below.
-        sub.add_parser(name, help=help_text, description=help_text)
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        # Also accepted after the command (`serve --log-level DEBUG`), as users type it.
+        command_parser.add_argument(
+            "--log-level", type=_log_level, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
     return parser
 
 

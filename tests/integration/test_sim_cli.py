@@ -123,3 +123,12 @@ def test_ctrl_c_during_simulate_keeps_the_finished_policies(tmp_path: Path) -> N
     finished = list(doc["policies"])
     assert finished[:1] == ["round_robin"] and len(finished) < len(policies)
     assert "round_robin" in stdout
+
+
+def test_log_level_is_also_accepted_after_the_command() -> None:
+    proc = cli("inspect", "--log-level", "warning", str(TRACE))
+    assert "unrecognized arguments" not in proc.stderr
+    assert "Traceback" not in proc.stderr
+    bad = cli("inspect", "--log-level", "foo", str(TRACE))
+    assert bad.returncode == 2
+    assert "argument --log-level: unknown level 'foo'" in bad.stderr
