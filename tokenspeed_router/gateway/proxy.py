@@ -47,6 +47,15 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 _decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 _JSON = b"application/json"
+
+
+class _UsageOnly(msgspec.Struct):
+    """An answer's ``usage`` (msgspec skips every other field without building it)."""
+
+    usage: Any = None
+
+
+_usage_decoder = msgspec.json.Decoder(_UsageOnly)
 #: what a failing engine connection can raise
 _TRANSPORT = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
@@ -345,11 +354,10 @@ class Proxy:
         if b'"usage"' not in content:
             return
         try:
-            answer = _decoder.decode(content)
-        except msgspec.DecodeError:
+            answer = _usage_decoder.decode(content)
+        except msgspec.DecodeError:  # ValidationError (not an object) included
             return
-        if isinstance(answer, dict):
-            self._learn(stream, plan, tokens, answer.get("usage"))
+        self._learn(stream, plan, tokens, answer.usage)
 
     def _learn(self, stream: str, plan: _Plan, tokens: list[int], usage: Any) -> None:
         """Compare the engine's reported reuse with the index's prediction for ``stream``."""
