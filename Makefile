@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test lint bench clean
+.PHONY: install demo test lint bench clean
 
 # setup.py builds the compiled index core (csrc/, machine's C compiler): editing it reinstalls.
 $(STAMP): pyproject.toml constraints-dev.txt setup.py csrc/native.c
@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml constraints-dev.txt setup.py csrc/native.c
 	  || $(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)" --index-url "$(TORCH_INDEX_URL)"
 	$(BIN)/python -m pip install --quiet -c constraints-dev.txt -e '.[torch,plot,dev]'
 	touch $(STAMP)
+
+install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/tokenspeed-router demo

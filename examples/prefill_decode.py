@@ -54,22 +54,25 @@ def main() -> int:
     config = Path(tempfile.mkdtemp(prefix="tokenspeed-pd-")) / "router.toml"
     config.write_text(f"""
 http = "127.0.0.1:{http}"
+policy = "kv_aware"
 
 [router]
-policy = "kv_aware"
 local_prefill_threshold_tokens = 256   # decode prefills locally when it misses at most this much
 
-[workers.prefill0]
+[[workers]]
+name = "prefill0"
 events = "{prefill[0].endpoint}"
 replay = "{prefill[0].replay_endpoint}"
 role = "prefill"
 
-[workers.prefill1]
+[[workers]]
+name = "prefill1"
 events = "{prefill[1].endpoint}"
 replay = "{prefill[1].replay_endpoint}"
 role = "prefill"
 
-[workers.decode]
+[[workers]]
+name = "decode"
 events = "tcp://127.0.0.1:{ev}"
 replay = "tcp://127.0.0.1:{rp}"
 role = "decode"

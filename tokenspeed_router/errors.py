@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "EventLogError",
     "IndexConsistencyError",
+    "InvalidRequestError",
     "NoWorkerAvailableError",
     "OutOfPagesError",
     "PublishError",
@@ -20,12 +21,15 @@ __all__ = [
     "ReplayUnavailableError",
     "RouterApiError",
     "SequenceGapError",
+    "ServiceNotIngestingError",
     "SnapshotError",
     "StateBackendError",
     "TokenspeedError",
     "UnknownBlockError",
     "UnknownParentError",
+    "UnknownWorkerError",
     "WireError",
+    "WorkerConflictError",
 ]
 
 
@@ -109,8 +113,29 @@ class EventLogError(TokenspeedError):
     """An event log or capture file is not one, or has an unsupported version."""
 
 
+class InvalidRequestError(TokenspeedError):
+    """A query or membership request the router cannot act on as given (HTTP 400)."""
+
+
+class UnknownWorkerError(TokenspeedError):
+    """A request names a worker the router does not know (HTTP 404)."""
+
+
+class WorkerConflictError(TokenspeedError):
+    """A membership change clashes with a worker already configured (HTTP 409)."""
+
+
+class ServiceNotIngestingError(TokenspeedError):
+    """The request needs the ingestion loop, which this service is not running (HTTP 409)."""
+
+
 class RouterApiError(TokenspeedError):
-    """The router's query API refused a request (``status`` is the HTTP-style code)."""
+    """The router's query API refused a request (``status`` is the HTTP-style code).
+
+    The one error the transports (HTTP, ZeroMQ, the gateway) render; the
+    domain errors above become one in a single place,
+    ``tokenspeed_router.server.api.api_error``. Clients raise it for an error reply.
+    """
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"{status}: {message}")

@@ -32,10 +32,22 @@ def test_replay_and_held_merge_in_order_with_duplicates_counted() -> None:
 
 def test_ring_exhausted_versus_incomplete_versus_failure() -> None:
     held = [_msg(9, replayed=False)]
-    plan = _merge_replay(2, [_msg(5, replayed=True)], held, fresh=False, failure=None)
-    assert _shape(plan.steps) == [(2, 5, RESYNC_RING_EXHAUSTED), 5, (6, 9, RESYNC_REPLAY_INCOMPLETE), 9]
+    plan = _merge_replay(2, [_msg(5, replayed=True), _msg(7, replayed=True)], held, fresh=False,
+                         failure=None)
+    assert _shape(plan.steps) == [(2, 5, RESYNC_RING_EXHAUSTED), 5, (6, 7, RESYNC_REPLAY_INCOMPLETE), 7]
+    assert plan.held_consumed == 0  # 8 was published after the answer: the live path asks again
     plan = _merge_replay(2, [], held, fresh=False, failure=RESYNC_REPLAY_TIMEOUT)
     assert _shape(plan.steps) == [(2, 9, RESYNC_REPLAY_TIMEOUT), 9]
+
+
+def test_a_hole_after_the_answer_is_left_to_the_live_path() -> None:
+    # Gap at 3 (live 4 seen); the answer was made when the ring ended at 5; live 6 was
+    # lost on the way and 7, 8 arrived: 6 is not lost for good, the ring has it now.
+    replayed = [_msg(s, replayed=True) for s in (3, 4, 5)]
+    held = [_msg(s, replayed=False) for s in (4, 5, 7, 8)]
+    plan = _merge_replay(3, replayed, held, fresh=False, failure=None)
+    assert _shape(plan.steps) == [3, 4, 5]
+    assert plan.held_consumed == 2 and plan.duplicates == 2  # 7 and 8 stay held
 
 
 def test_fresh_join_forgives_only_the_first_hole() -> None:

@@ -48,6 +48,7 @@ def test_completion_prompt_forms() -> None:
     (b"", None, "invalid_json"),
     (b"{nope", None, "invalid_json"),
     (b"[1]", None, "invalid_json"),
+    (b"[" * 100_000 + b"]" * 100_000, None, "invalid_json"),  # nesting limit (was a 500)
     (b'{"max_tokens": 3}', "prompt", "missing_required_parameter"),
     (b'{"prompt": 5}', "prompt", "invalid_type"),
     (b'{"prompt": []}', "prompt", "invalid_value"),
@@ -260,7 +261,7 @@ def test_worker_url_key() -> None:
 def test_gateway_settings_from_flags_env_and_toml(tmp_path: Path) -> None:
     assert load_server_config({}).gateway == GatewayConfig()
     toml = tmp_path / "r.toml"
-    toml.write_text('tokenizer = "/models/x"\nupstream-timeout-s = 30\ntruth_window = 8\n')
+    toml.write_text('tokenizer = "/models/x"\nupstream_timeout_s = 30\ntruth_window = 8\n')
     env = {"TOKENSPEED_ROUTER_UPSTREAM_RETRIES": "0", "TOKENSPEED_ROUTER_UPSTREAM_TIMEOUT_S": "12.5"}
     gw = load_server_config({"upstream_connect_timeout_s": 1.5}, env, toml).gateway
     assert gw == GatewayConfig(tokenizer="/models/x", upstream_timeout_s=12.5, upstream_connect_timeout_s=1.5,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 from pathlib import Path
 
 import msgspec
@@ -131,12 +132,12 @@ def test_failed_start_with_a_borrowed_context_leaks_no_socket(tmp_path: Path) ->
 
 
 def test_put_worker_with_an_unusable_endpoint_is_a_400_and_leaks_nothing() -> None:
-    from tokenspeed_router.server.api import ApiError
+    from tokenspeed_router.errors import RouterApiError
 
     service = RouterService(ServerConfig(http=None))
     service.start()
     try:
-        with pytest.raises(ApiError, match="cannot connect") as err:
+        with pytest.raises(RouterApiError, match="cannot connect") as err:
             service.put_worker(WorkerSpec(name="bad", events=_TOO_LONG_IPC))
         assert err.value.status == 400
         assert "bad" not in service.workers()
@@ -181,3 +182,82 @@ def test_replay_queries_accept_a_lora_name() -> None:
     assert nonzero(answers[1]["scores"]) == {}
     assert "$.lora_id" in answers[2]["error"]
     service.stop()
+
+
+def test_wait_ingest_loop_wakes_on_start_and_on_stop() -> None:
+    """A state backend that wins the lease during start() waits on an event, not a poll."""
+    results: list[bool] = []
+
+    class EarlySink(LeaderSink):
+        def __init__(self, service: RouterService) -> None:
+            super().__init__(service)
+            assert not service.ingest_loop_running  # built before the loop exists
+            self.waiter = threading.Thread(target=lambda: results.append(service.wait_ingest_loop(30.0)))
+            self.waiter.start()
+
+    sinks: list[EarlySink] = []
+
+    def factory(service: RouterService) -> EarlySink:
+        sinks.append(EarlySink(service))
+        return sinks[-1]
+
+    with RouterService(ServerConfig(http=None), sink_factory=factory) as service:
+        wait_until(lambda: results, 10.0, what="the waiter to wake once the loop runs")
+        assert results == [True] and service.ingest_loop_running
+    sinks[0].waiter.join(5.0)
+
+    # A service that stops while a waiter waits answers False at once, not after the timeout.
+    idle = RouterService(ServerConfig(http=None))
+    late: list[bool] = []
+    waiter = threading.Thread(target=lambda: late.append(idle.wait_ingest_loop(300.0)))
+    waiter.start()
+    idle.stop()
+    waiter.join(10.0)
+    assert late == [False] and not waiter.is_alive()
+
+
+def test_domain_errors_map_to_api_statuses_in_one_place() -> None:
+    """Membership and query errors are domain errors; server/api.py gives each its status."""
+    from tokenspeed_router.errors import (
+        InvalidRequestError,
+        NoWorkerAvailableError,
+        RouterApiError,
+        ServiceNotIngestingError,
+        TokenspeedError,
+        UnknownWorkerError,
+        WireError,
+        WorkerConflictError,
+    )
+    from tokenspeed_router.server.api import api_error
+
+    cases: list[tuple[TokenspeedError, int, str]] = [
+        (WireError("bad"), 400, "invalid token_ids: bad"),
+        (InvalidRequestError("cannot subscribe"), 400, "cannot subscribe"),
+        (ConfigError("worker spec"), 400, "worker spec"),
+        (UnknownWorkerError("unknown worker 'x'"), 404, "unknown worker 'x'"),
+        (WorkerConflictError("in use"), 409, "in use"),
+        (ServiceNotIngestingError("not ingesting"), 409, "not ingesting"),
+        (NoWorkerAvailableError("none"), 503, "no worker available: none"),
+        (TokenspeedError("surprise"), 500, "internal error: surprise"),
+    ]
+    for err, status, message in cases:
+        mapped = api_error(err)
+        assert (mapped.status, mapped.message) == (status, message), err
+    passed = RouterApiError(413, "too big")
+    assert api_error(passed) is passed
+
+    # The service raises them through the mapping: a 404 for an unknown worker,
+    # a 409 for a rank deleted on its own and for a name in use.
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    spec = WorkerSpec(name="w", events=pub.endpoint, replay=pub.replay_endpoint, dp_ranks=1)
+    try:
+        with RouterService(ServerConfig(http=None, workers=(spec,))) as service:
+            with pytest.raises(RouterApiError) as unknown:
+                service.delete_worker("nope")
+            assert unknown.value.status == 404
+            clash = WorkerSpec(name="w2", events=pub.endpoint)
+            with pytest.raises(RouterApiError, match="already used by worker 'w'") as conflict:
+                service.put_worker(clash)
+            assert conflict.value.status == 409
+    finally:
+        pub.close()

@@ -61,7 +61,7 @@ def test_dp_ranks_offset_ports_like_vllm() -> None:
         ("name=w0,events=tcp://127.0.0.1:*", "needs an explicit port"),
         ("name=w0,events=tcp://127.0.0.1:0", "has port 0"),
         ("name=w0,events=tcp://a b:5", "not a ZeroMQ endpoint"),
-        ("name=w0,events=tcp://127.0.0.1:1,dp-ranks=2,dp_ranks=3", "set the same key 'dp_ranks'"),
+        ("name=w0,events=tcp://127.0.0.1:1,dp_ranks=2,dp_ranks=3", "key 'dp_ranks' given twice"),
     ],
 )
 def test_bad_worker_specs_name_the_problem(text: str, message: str) -> None:
@@ -82,10 +82,11 @@ def test_duplicate_names_and_shared_endpoints_are_rejected() -> None:
         ServerConfig(workers=(b, c))
 
 
-def test_worker_keys_may_use_hyphens() -> None:
-    spec = WorkerSpec.parse("name=w0,events=tcp://127.0.0.1:5557,dp-ranks=2")
-    assert spec.dp_ranks == 2
-    assert WorkerSpec.from_mapping({"name": "w1", "events": "tcp://127.0.0.1:6000", "dp-ranks": 3}).dp_ranks == 3
+def test_worker_keys_have_one_spelling() -> None:
+    """``dp_ranks`` is written with '_' in every source; ``dp-ranks`` is an unknown key."""
+    assert WorkerSpec.parse("name=w0,events=tcp://127.0.0.1:5557,dp_ranks=2").dp_ranks == 2
+    with pytest.raises(ConfigError, match="unknown key"):
+        WorkerSpec.parse("name=w0,events=tcp://127.0.0.1:5557,dp-ranks=2")
 
 
 def test_zmq_api_bind_endpoint_may_use_wildcards() -> None:
@@ -122,8 +123,9 @@ zmq_api = "tcp://127.0.0.1:7001"
 auth_token = "from-file"
 max_tokens = 100
 
-[router]
 policy = "round_robin"
+
+[router]
 queue_weight = 0.5
 decode_weight = 0.2
 
@@ -144,9 +146,7 @@ events = "tcp://127.0.0.1:5557"
     assert config.zmq_api == "tcp://127.0.0.1:7001"  # file only
     assert [w.name for w in config.workers] == ["e0", "e1"]  # env replaces the file's list whole
     assert config.limits == ApiLimits(max_tokens=100)
-    assert config.policy == "round_robin"
-    assert config.router_options == {"queue_weight": 0.7, "decode_weight": 0.3}  # merged per knob
-    rc = config.router_config()
+    rc = config.router  # knobs merged per knob: flag 0.7, env 0.3, the file's policy
     assert rc.queue_weight == 0.7 and rc.decode_weight == 0.3 and rc.policy_name == "round_robin"
 
 
@@ -154,7 +154,8 @@ def test_config_file_path_from_env_and_worker_tables(tmp_path: Path) -> None:
     path = _write(
         tmp_path,
         """
-[workers.p0]
+[[workers]]
+name = "p0"
 events = "tcp://127.0.0.1:5557"
 replay = "tcp://127.0.0.1:6557"
 role = "prefill"
@@ -189,11 +190,10 @@ def test_bad_config_files(tmp_path: Path, text: str, message: str) -> None:
 def test_missing_file_and_unknown_router_knob(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_server_config({}, {}, tmp_path / "nope.toml")
-    config = load_server_config({"router": ["colour=1"]}, {})
     with pytest.raises(ConfigError, match="colour"):
-        config.router_config()
+        load_server_config({"router": ["colour=1"]}, {})
     with pytest.raises(ConfigError, match="unknown policy"):
-        load_server_config({"policy": "best"}, {}).router_config()
+        load_server_config({"policy": "best"}, {})
 
 
 def test_auth_token_file_and_http_none(tmp_path: Path) -> None:
@@ -237,80 +237,79 @@ def test_serve_refuses_a_port_in_use(capsys: pytest.CaptureFixture[str]) -> None
     assert "cannot listen on" in capsys.readouterr().err
 
 
-def test_env_worker_alias_and_separators() -> None:
-    """``TOKENSPEED_ROUTER_WORKER`` is spelled like the flag; specs split on ';' or newlines."""
+def test_env_workers_and_separators() -> None:
+    """``TOKENSPEED_ROUTER_WORKERS``: specs split on ';' or newlines; the flag still wins."""
     specs = "name=a,events=tcp://127.0.0.1:6000\nname=b,events=tcp://127.0.0.1:6001;name=c,events=tcp://127.0.0.1:6002\n"
-    for var in ("TOKENSPEED_ROUTER_WORKER", "TOKENSPEED_ROUTER_WORKERS"):
-        config = load_server_config({}, {var: specs})
-        assert [w.name for w in config.workers] == ["a", "b", "c"], var
-    with pytest.raises(ConfigError, match=r"TOKENSPEED_ROUTER_WORKERS? and TOKENSPEED_ROUTER_WORKERS? are both set"):
-        load_server_config({}, {"TOKENSPEED_ROUTER_WORKER": specs, "TOKENSPEED_ROUTER_WORKERS": specs})
-    # the flag still wins over the environment
+    config = load_server_config({}, {"TOKENSPEED_ROUTER_WORKERS": specs})
+    assert [w.name for w in config.workers] == ["a", "b", "c"]
     config = load_server_config({"workers": ["name=f,events=tcp://127.0.0.1:7000"]},
-                                {"TOKENSPEED_ROUTER_WORKER": specs})
+                                {"TOKENSPEED_ROUTER_WORKERS": specs})
     assert [w.name for w in config.workers] == ["f"]
-    # router options from the environment, singular too, hyphens read as '_'
-    config = load_server_config({}, {"TOKENSPEED_ROUTER_ROUTER_OPTION": "queue-weight=0.25"})
-    assert config.router_options == {"queue_weight": 0.25}
+    # the old singular spelling is not read (it is logged as unknown)
+    assert load_server_config({}, {"TOKENSPEED_ROUTER_WORKER": specs}).workers == ()
+    config = load_server_config({}, {"TOKENSPEED_ROUTER_ROUTER_OPTIONS": "queue_weight=0.25"})
+    assert config.router.queue_weight == 0.25
 
 
-def test_toml_accepts_flag_spellings(tmp_path: Path) -> None:
-    """Every flag works from TOML as written on the command line: ``zmq-api``, ``[[worker]]``, ..."""
+def test_every_setting_from_toml_with_one_spelling(tmp_path: Path) -> None:
+    """Each flag's key in TOML is the flag with '_' (``zmq_api``); workers are ``[[workers]]``."""
     token = tmp_path / "token"
     token.write_text("t0k\n")
     path = _write(
         tmp_path,
         f"""
 http = "127.0.0.1:7000"
-zmq-api = "tcp://127.0.0.1:7001"
-auth-token-file = "{token}"
-stale-after-s = 3
-replay-timeout-s = 0.5
-inflight-timeout-s = 60
-max-body-bytes = 1000
-max-tokens = 100
+zmq_api = "tcp://127.0.0.1:7001"
+auth_token_file = "{token}"
+stale_after_s = 3
+replay_timeout_s = 0.5
+inflight_timeout_s = 60
+max_body_bytes = 1000
+max_tokens = 100
 policy = "round_robin"
 record = "{tmp_path / 'events.tslog'}"
+tokenizer = "engine"
+upstream_retries = 0
 
-[router-option]
-queue-weight = 0.5
+[router]
+queue_weight = 0.5
 
-[[worker]]
+[[workers]]
 name = "p0"
 events = "tcp://127.0.0.1:5557"
-dp-ranks = 2
+dp_ranks = 2
 role = "prefill"
 
-[[worker]]
+[[workers]]
 name = "d0"
 events = "tcp://127.0.0.1:5600"
 """,
     )
     config = load_server_config({}, {}, path)
     assert config.zmq_api == "tcp://127.0.0.1:7001" and config.auth_token == "t0k"
-    assert config.stale_after_s == 3 and config.replay_timeout_s == 0.5 and config.inflight_timeout_s == 60
+    assert config.stale_after_s == 3 and config.replay_timeout_s == 0.5 and config.router.inflight_timeout_s == 60
     assert config.limits == ApiLimits(max_body_bytes=1000, max_tokens=100)
-    assert config.record == str(tmp_path / "events.tslog") and config.policy == "round_robin"
-    assert config.router_options == {"queue_weight": 0.5}
+    assert config.record == str(tmp_path / "events.tslog") and config.router.policy_name == "round_robin"
+    assert config.router.queue_weight == 0.5 and config.gateway.upstream_retries == 0
     assert [s.name for s in config.subscribers()] == ["p0/dp0", "p0/dp1", "d0"]
     assert config.workers[0].role == "prefill"
-    # [worker.NAME] tables work like [workers.NAME]
-    named = load_server_config({}, {}, _write(tmp_path, "[worker.x]\nevents = 'tcp://127.0.0.1:1'\n"))
-    assert [w.name for w in named.workers] == ["x"]
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("zmq-apii = 'tcp://127.0.0.1:1'", "unknown key(s) 'zmq_apii'"),
-        ("zmq-api = 'tcp://127.0.0.1:1'\nzmq_api = 'tcp://127.0.0.1:2'", "'zmq-api' and 'zmq_api' set the same key"),
-        ("[[worker]]\nname = 'a'\nevents = 'tcp://127.0.0.1:1'\n[[workers]]\nname = 'b'\nevents = 'tcp://127.0.0.1:2'",
-         "'worker' and 'workers' set the same key"),
-        ("[[worker]]\nname = 'a'\nevents = 'tcp://127.0.0.1:1'\nport = 3", "unknown key(s) 'port'"),
-        ("[[worker]]\nname = 'a'\nevents = 'tcp://*:1'", "has host '*'"),
+        ("zmq-api = 'tcp://127.0.0.1:1'", "unknown key(s) 'zmq-api' (write 'zmq_api')"),
+        ("[[worker]]\nname = 'a'\nevents = 'tcp://127.0.0.1:1'", "unknown key(s) 'worker'"),
+        ("[workers.a]\nevents = 'tcp://127.0.0.1:1'", "write the worker list as [[workers]] tables"),
+        ("workers = ['name=a,events=tcp://127.0.0.1:1']", "write the worker list as [[workers]] tables"),
+        ("[router]\npolicy = 'random'", "policy is a setting of its own"),
+        ("[router]\ninflight_timeout_s = 5", "inflight_timeout_s is a setting of its own"),
+        ("[[workers]]\nname = 'a'\nevents = 'tcp://127.0.0.1:1'\nport = 3", "unknown key(s) 'port'"),
+        ("[[workers]]\nname = 'a'\nevents = 'tcp://*:1'", "has host '*'"),
+        ("http = 'off'", "expected HOST:PORT"),
     ],
 )
-def test_bad_flag_spellings_in_toml(tmp_path: Path, text: str, message: str) -> None:
+def test_other_spellings_in_toml_are_errors(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_server_config({}, {}, _write(tmp_path, text))
 

@@ -279,8 +279,13 @@ def _merge_replay(
     the live path). A seq in both is delivered once. Walking the merged seqs in
     order from ``start``, each hole becomes a :class:`_Loss`, except that a
     hole past the newest live seq stops the walk: the ring ran ahead of a
-    lagging SUB socket and those seqs will still arrive live. ``fresh`` (the
-    very first connection) turns the first hole into history, not a loss.
+    lagging SUB socket and those seqs will still arrive live; and a hole past
+    the answer's last seq also stops it, leaving the held messages from there
+    on to the live path: those seqs were published after the answer was made
+    and lost live, so the ring can still supply them (a new gap, a new replay;
+    found by ``benchmarks/faults.py`` at 10 % frame loss, where treating them
+    as lost cascaded into resyncs). ``fresh`` (the very first connection)
+    turns the first hole into history, not a loss.
     """
     merged: dict[int, _Message] = {}
     for message in replayed:
@@ -299,12 +304,20 @@ def _merge_replay(
         else:
             merged[message.seq] = message
     first_replayed = replayed[0].seq if replayed else None
+    last_replayed = replayed[-1].seq if replayed else None
     steps: list[_Message | _Loss] = []
     expected = start
     for seq in sorted(merged):
         if seq > expected:
             if newest_live is not None and expected > newest_live:
                 break
+            if failure is None and last_replayed is not None and expected > last_replayed >= start:
+                # The answer ended (the ring's newest seq when it was served) before
+                # this hole: those seqs were published after it and lost live. The
+                # ring still has them: stop here and let the live path ask again.
+                kept = [m for m in held[:consumed] if m.seq < expected]
+                duplicates = sum(1 for m in kept if m.seq <= last_replayed)
+                return _MergePlan(steps, len(kept), duplicates)
             steps.append(_Loss(expected, seq, None if fresh else _loss_reason(seq, first_replayed, failure)))
         fresh = False
         steps.append(merged[seq])

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.routing import Route
 
+from tokenspeed_router.errors import RouterApiError
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.gateway.openai import (
     OpenAIError,
@@ -35,7 +36,7 @@ from tokenspeed_router.gateway.proxy import Proxy
 from tokenspeed_router.gateway.tokenize import load_tokenizer
 from tokenspeed_router.gateway.truth import TruthCollector, TruthLoop
 from tokenspeed_router.gateway.upstream import Upstreams
-from tokenspeed_router.server.api import ApiError, check_bearer
+from tokenspeed_router.server.api import check_bearer
 
 __all__ = ["Gateway"]
 
@@ -151,7 +152,7 @@ class Gateway:
             presented = authorization.decode("latin-1") if authorization is not None else None
             try:
                 check_bearer(presented, self._expected, header=True)
-            except ApiError as err:
+            except RouterApiError as err:
                 raise OpenAIError(err.status, err.message, code="invalid_api_key") from None
             return {}
         return {"authorization": authorization.decode("latin-1")} if authorization is not None else {}
@@ -160,7 +161,7 @@ class Gateway:
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         try:
             return await self._read_body(receive, length, self._max_body)
-        except ApiError as err:
+        except RouterApiError as err:
             raise OpenAIError(err.status, err.message, code="invalid_body") from None
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -87,6 +87,8 @@ def _decode_object(raw: bytes) -> dict[str, Any]:
         body = _decoder.decode(raw)
     except msgspec.DecodeError as err:
         raise OpenAIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:  # msgspec's nesting limit (found by benchmarks/faults.py: was a 500)
+        raise OpenAIError(400, "the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, f"the request body must be a JSON object, got {type(body).__name__}",
                           code="invalid_json")

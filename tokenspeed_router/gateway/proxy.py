@@ -30,13 +30,13 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from tokenspeed_router.errors import RouterApiError
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.gateway.openai import OpenAIError, ParsedRequest
 from tokenspeed_router.gateway.sse import SseRelay, sse_error_event
 from tokenspeed_router.gateway.tokenize import PromptTokenizer, TokenizeError
 from tokenspeed_router.gateway.truth import TruthLoop, TruthSample, cap_prediction
 from tokenspeed_router.gateway.upstream import Target, Upstreams, is_timeout, is_unreachable
-from tokenspeed_router.server.api import ApiError
 
 __all__ = ["GatewayStats", "Proxy"]
 
@@ -154,7 +154,7 @@ class Proxy:
             if tokens:
                 view = service.match(tokens)
             decision = service.route(tokens, request_id=request_id)
-        except ApiError as err:
+        except RouterApiError as err:
             if err.status != 503:
                 raise OpenAIError(err.status, err.message, code="invalid_value") from None
             down = sorted(self._up.down())

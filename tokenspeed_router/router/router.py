@@ -12,6 +12,10 @@
   released by :meth:`Router.release` (request finished),
   :meth:`Router.mark_prefill_done` (first token) or after
   ``inflight_timeout_s``; or supplied by the caller through ``load_provider``;
+  plus, with several router replicas, what the *other* replicas have in
+  flight on each worker (``peer_load``, shared through Redis by
+  ``tokenspeed_router.state.load``), so replicas splitting traffic weigh the
+  same load one router would;
 * **a policy** — the cost in ``scoring.py`` (``kv_aware``, ``least_loaded``,
   ``approx``) minimised with deterministic tie-breaking or sampled with a
   softmax, or a cache-blind baseline (``random``, ``round_robin``).
@@ -45,7 +49,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tokenspeed_router.errors import ConfigError, NoWorkerAvailableError
 from tokenspeed_router.hashing import ContentHash
@@ -63,6 +67,7 @@ from tokenspeed_router.router.scoring import (
 
 __all__ = [
     "LoadProvider",
+    "PeerLoad",
     "RouteDecision",
     "Router",
     "RouterConfig",
@@ -86,6 +91,21 @@ class WorkerRole(str, enum.Enum):
 #: worker's load (e.g. the simulator's real queues). ``None`` means "use the
 #: router's own in-flight tracking for this worker".
 LoadProvider = Callable[[str], "WorkerLoad | None"]
+
+
+class PeerLoad(Protocol):
+    """Load that other router replicas have in flight, per worker.
+
+    ``peers()`` is read once per routing decision and must be cheap (a cached
+    mapping, never a network round trip); ``changed()`` is called whenever this
+    router's own in-flight load changes (admit, release, prefill done, expiry)
+    so the implementation can publish it soon. Both run under the caller's
+    lock, on the routing thread.
+    """
+
+    def peers(self) -> Mapping[str, WorkerLoad]: ...
+
+    def changed(self) -> None: ...
 
 
 def _finite_nonneg(name: str, value: float) -> None:
@@ -313,7 +333,10 @@ class Router:
     ``clock`` (seconds, monotonic) drives in-flight expiry and approximate-store
     TTLs; ``rng`` drives softmax sampling and the ``random`` policy (default:
     ``random.Random(config.seed)``); ``load_provider`` replaces the router's
-    own load tracking per worker when it returns a :class:`WorkerLoad`.
+    own load tracking per worker when it returns a :class:`WorkerLoad`;
+    ``peer_load`` adds other replicas' in-flight load to the router's own
+    tracking (not to a ``load_provider``'s answer, which is taken as the
+    worker's whole load).
     """
 
     def __init__(
@@ -324,6 +347,7 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         load_provider: LoadProvider | None = None,
+        peer_load: PeerLoad | None = None,
     ) -> None:
         self._index = index
         self._config = config = config if config is not None else RouterConfig()
@@ -332,6 +356,7 @@ class Router:
         self._clock = clock
         self._rng = rng if rng is not None else random.Random(config.seed)
         self._load_provider = load_provider
+        self._peer_load = peer_load
         self._workers: dict[str, _Worker] = {}
         #: workers taken from the index, not added explicitly (see ``_discover``)
         self._discovered: set[str] = set()
@@ -365,6 +390,15 @@ class Router:
         self._expired = 0
         self._remote_prefills = 0
         self._local_prefills = 0
+
+    @property
+    def peer_load(self) -> PeerLoad | None:
+        """Other replicas' in-flight load, when shared (see :class:`PeerLoad`)."""
+        return self._peer_load
+
+    def set_peer_load(self, peer_load: PeerLoad | None) -> None:
+        """Start (or stop, with None) adding other replicas' load to this router's."""
+        self._peer_load = peer_load
 
     # --- membership -----------------------------------------------------------
 
@@ -560,6 +594,8 @@ class Router:
         if entry is None:
             return False
         kept: list[_Part] = []
+        if self._peer_load is not None:
+            self._peer_load.changed()
         for part in entry.parts:
             worker = self._workers.get(part.worker)
             if worker is not None:
@@ -718,26 +754,44 @@ class Router:
         provider = self._load_provider
         workers = self._workers
         get_known = known.get
+        peers = self._peer_load.peers() if self._peer_load is not None else None
+        peer_requests: dict[str, int] = {}
         costs: dict[str, float] = {}
+        best = math.inf
         for name in candidates:
             load: Any = workers[name]
-            if provider is not None:
-                external = provider(name)
-                if external is not None:
-                    load = external
+            external = provider(name) if provider is not None else None
+            if external is not None:
+                load = external
             k = get_known(name)
             uncached = num_tokens - k.credit if k is not None else num_tokens
             if uncached < 0:
                 uncached = 0
-            costs[name] = (
+            cost = (
                 pw * uncached
                 + qw * load.pending_prefill_tokens
                 + dw * load.active_tokens
                 + rw * load.active_requests
             )
+            if peers and external is None:
+                peer = peers.get(name)
+                if peer is not None:
+                    cost += (
+                        qw * peer.pending_prefill_tokens
+                        + dw * peer.active_tokens
+                        + rw * peer.active_requests
+                    )
+                    peer_requests[name] = peer.active_requests
+            costs[name] = cost
+            if cost < best:
+                best = cost
         if self._config.temperature > 0.0:
             return sample_softmax(costs, self._config.temperature, self._rng)
-        return pick_lowest(costs, lambda n: (workers[n].active_requests, workers[n].last_pick))
+        return pick_lowest(
+            costs,
+            lambda n: (workers[n].active_requests + peer_requests.get(n, 0), workers[n].last_pick),
+            best=best,
+        )
 
     def _admit(
         self,
@@ -768,6 +822,8 @@ class Router:
             w.last_pick = serial
         self._inflight[request_id] = entry
         self._expiry.append(entry)
+        if self._peer_load is not None:
+            self._peer_load.changed()
 
     def _remember(self, hashes: list[ContentHash], chosen: tuple[str, ...], now: float) -> None:
         """Record the routed prompt for workers whose knowledge comes from memory."""
@@ -780,6 +836,8 @@ class Router:
                 self._predicted.record(name, hashes, now)
 
     def _drop(self, entry: _InFlight) -> None:
+        if self._peer_load is not None and entry.parts:
+            self._peer_load.changed()
         for part in entry.parts:
             w = self._workers.get(part.worker)
             if w is None:

@@ -181,6 +181,8 @@ def worker_cost(
 def pick_lowest(
     costs: Mapping[str, float],
     tie_key: Callable[[str], tuple[int, ...]],
+    *,
+    best: float | None = None,
 ) -> str:
     """The worker with the lowest cost; ties go to the smallest ``tie_key(worker)``.
 
@@ -192,7 +194,8 @@ def pick_lowest(
     """
     if not costs:
         raise ValueError("no candidates")
-    best = min(costs.values())
+    if best is None:  # the caller may pass the minimum it found while computing costs
+        best = min(costs.values())
     slack = 1e-9 * max(1.0, abs(best))
     tied = [w for w, c in costs.items() if c <= best + slack]
     if len(tied) == 1:
@@ -246,7 +249,7 @@ class ApproxPrefixStore:
     front: O(1) amortised.
     """
 
-    __slots__ = ("_block_size", "_blocks", "_max_blocks", "_ttl_s")
+    __slots__ = ("_block_size", "_blocks", "_max_blocks", "_next_expiry", "_ttl_s")
 
     def __init__(self, *, block_size: int, ttl_s: float, max_blocks: int) -> None:
         if block_size <= 0:
@@ -259,6 +262,8 @@ class ApproxPrefixStore:
         self._ttl_s = ttl_s
         self._max_blocks = max_blocks
         self._blocks: dict[str, OrderedDict[int, float]] = {}
+        #: no entry expires before this (a lower bound): ``expire`` is free until then
+        self._next_expiry = math.inf
 
     @property
     def block_size(self) -> int:
@@ -279,6 +284,8 @@ class ApproxPrefixStore:
         if blocks is None:
             blocks = self._blocks[worker] = OrderedDict()
         expiry = now_s + self._ttl_s
+        if expiry < self._next_expiry:
+            self._next_expiry = expiry
         move = blocks.move_to_end
         for h in reversed(hashes):  # leaf first, root last: parents stay newer
             blocks[h] = expiry
@@ -288,15 +295,25 @@ class ApproxPrefixStore:
             blocks.popitem(last=False)
 
     def expire(self, now_s: float) -> int:
-        """Drop entries whose TTL has passed; returns how many were dropped."""
+        """Drop entries whose TTL has passed; returns how many were dropped.
+
+        Runs on every match: while ``now_s`` is before the earliest expiry it
+        costs one comparison instead of a look at every worker's oldest entry.
+        """
+        if now_s < self._next_expiry:
+            return 0
         dropped = 0
+        earliest = math.inf
         for blocks in self._blocks.values():
             while blocks:
                 h, expiry = next(iter(blocks.items()))
                 if expiry > now_s:
+                    if expiry < earliest:
+                        earliest = expiry
                     break
                 del blocks[h]
                 dropped += 1
+        self._next_expiry = earliest
         return dropped
 
     def match(self, hashes: Sequence[int], workers: Iterable[str], now_s: float) -> dict[str, int]:

@@ -3,7 +3,7 @@
 Both transports decode into the same msgspec structs and call the same
 service methods, so a request means the same thing and fails with the same
 message whichever way it came (DESIGN §6). Decoding is typed and total: any
-bytes a client sends end as a request struct or an :class:`ApiError` with a
+bytes a client sends end as a request struct or a :class:`RouterApiError` with a
 4xx status naming the problem (msgspec's messages carry the JSON path, e.g.
 ``Expected `int` >= 0 - at `$.token_ids[2]```).
 
@@ -16,20 +16,35 @@ integer, so the bound rejects garbage without rejecting any real prompt.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
+from tokenspeed_router.errors import (
+    ConfigError,
+    InvalidRequestError,
+    NoWorkerAvailableError,
+    RouterApiError,
+    ServiceNotIngestingError,
+    TokenspeedError,
+    UnknownWorkerError,
+    WireError,
+    WorkerConflictError,
+)
 from tokenspeed_router.server.config import ApiLimits
 
 __all__ = [
     "MAX_TOKEN_ID",
-    "ApiError",
     "MatchRequest",
     "ReleaseRequest",
     "RouteRequest",
     "ZmqRequest",
+    "ZmqRequestRaw",
+    "api_error",
+    "api_errors",
     "check_bearer",
     "decode_json",
     "validate_request",
@@ -42,13 +57,42 @@ TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 LoraId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)] | Annotated[str, Meta(min_length=1, max_length=4096)]
 
 
-class ApiError(Exception):
-    """A request the API refuses: ``status`` (4xx/5xx) and a message for ``{"error": ...}``."""
+#: domain error -> (HTTP status, prefix of the ``{"error": ...}`` message); first match wins
+_STATUS_OF: tuple[tuple[type[TokenspeedError], int, str], ...] = (
+    (WireError, 400, "invalid token_ids: "),  # a query's token ids could not be hashed
+    (InvalidRequestError, 400, ""),
+    (ConfigError, 400, ""),
+    (UnknownWorkerError, 404, ""),
+    (WorkerConflictError, 409, ""),
+    (ServiceNotIngestingError, 409, ""),
+    (NoWorkerAvailableError, 503, "no worker available: "),
+)
 
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+
+def api_error(err: TokenspeedError) -> RouterApiError:
+    """The one mapping from domain errors to API statuses (HTTP, ZeroMQ and the gateway alike).
+
+    A :class:`RouterApiError` passes unchanged; a domain error the table does
+    not name is a 500: the service raised something no client can fix.
+    """
+    if isinstance(err, RouterApiError):
+        return err
+    for kind, status, prefix in _STATUS_OF:
+        if isinstance(err, kind):
+            return RouterApiError(status, f"{prefix}{err}")
+    return RouterApiError(500, f"internal error: {err}")
+
+
+@contextmanager
+def api_errors() -> Iterator[None]:
+    """Raise domain errors escaping the block as :class:`RouterApiError` (see :func:`api_error`)."""
+    try:
+        yield
+    except TokenspeedError as err:
+        mapped = api_error(err)
+        if mapped is err:
+            raise
+        raise mapped from None
 
 
 class MatchRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -104,21 +148,39 @@ class ZmqHealth(_ZmqBase, frozen=True, kw_only=True, tag="health"):
 
 
 ZmqRequest = ZmqMatch | ZmqRoute | ZmqRelease | ZmqWorkers | ZmqHealth
+
+
+class ZmqMatchRaw(_ZmqBase, frozen=True, kw_only=True, tag="match"):
+    """``ZmqMatch`` as the server decodes it when the compiled core is built:
+    ``token_ids`` stays the raw msgpack array, read by ``_native.msgpack_tokens``
+    into a u64 buffer (1k Python ints cost more to build than a routing decision).
+    """
+
+    token_ids: msgspec.Raw
+    lora_id: LoraId | None = None
+    salt: str | None = None
+
+
+class ZmqRouteRaw(ZmqMatchRaw, frozen=True, kw_only=True, tag="route"):
+    request_id: str | int | None = None
+
+
+ZmqRequestRaw = ZmqMatchRaw | ZmqRouteRaw | ZmqRelease | ZmqWorkers | ZmqHealth
 ZMQ_OPS = ("match", "route", "release", "workers", "health")
 
 
 def decode_json(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
-    """Decode a JSON body into the decoder's type, or raise a 400 :class:`ApiError`."""
+    """Decode a JSON body into the decoder's type, or raise a 400 :class:`RouterApiError`."""
     if not body:
-        raise ApiError(400, "empty request body: expected a JSON object")
+        raise RouterApiError(400, "empty request body: expected a JSON object")
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as err:
-        raise ApiError(400, f"invalid request: {err}") from None
+        raise RouterApiError(400, f"invalid request: {err}") from None
     except msgspec.DecodeError as err:
-        raise ApiError(400, f"malformed JSON: {err}") from None
+        raise RouterApiError(400, f"malformed JSON: {err}") from None
     except RecursionError:
-        raise ApiError(400, "malformed JSON: nested too deeply") from None
+        raise RouterApiError(400, "malformed JSON: nested too deeply") from None
 
 
 def request_id_text(value: str | int | None, limits: ApiLimits) -> str | None:
@@ -127,21 +189,25 @@ def request_id_text(value: str | int | None, limits: ApiLimits) -> str | None:
         return None
     text = value if isinstance(value, str) else str(value)
     if not text:
-        raise ApiError(400, "request_id must be a non-empty string")
+        raise RouterApiError(400, "request_id must be a non-empty string")
     if len(text) > limits.max_request_id_len:
-        raise ApiError(
+        raise RouterApiError(
             400, f"request_id is {len(text)} characters, limit {limits.max_request_id_len}"
         )
     return text
 
 
-def validate_request(req: MatchRequest | ZmqMatch, limits: ApiLimits) -> None:
-    """Checks msgspec cannot express statically (limits are configurable)."""
-    n = len(req.token_ids)
+def validate_request(req: MatchRequest | ZmqMatch | ZmqMatchRaw, limits: ApiLimits, num_tokens: int | None = None) -> None:
+    """Checks msgspec cannot express statically (limits are configurable).
+
+    ``num_tokens``: the prompt length when ``req.token_ids`` is not the
+    decoded list (the ZMQ API reads it from the raw msgpack array).
+    """
+    n = len(req.token_ids) if num_tokens is None else num_tokens
     if n > limits.max_tokens:
-        raise ApiError(413, f"token_ids has {n} tokens, limit {limits.max_tokens}")
+        raise RouterApiError(413, f"token_ids has {n} tokens, limit {limits.max_tokens}")
     if req.salt is not None and len(req.salt) > 4096:
-        raise ApiError(400, "salt is longer than 4096 characters")
+        raise RouterApiError(400, "salt is longer than 4096 characters")
 
 
 def check_bearer(presented: str | None, expected: bytes | None, *, header: bool) -> None:
@@ -153,13 +219,13 @@ def check_bearer(presented: str | None, expected: bytes | None, *, header: bool)
     if expected is None:
         return
     if not presented:
-        raise ApiError(401, "missing credentials: send 'Authorization: Bearer <token>'")
+        raise RouterApiError(401, "missing credentials: send 'Authorization: Bearer <token>'")
     scheme, _, token = presented.partition(" ")
     if scheme.lower() == "bearer" and token:
         candidate = token.strip()
     elif header:
-        raise ApiError(401, "unsupported authorization scheme: expected 'Bearer <token>'")
+        raise RouterApiError(401, "unsupported authorization scheme: expected 'Bearer <token>'")
     else:
         candidate = presented
     if not hmac.compare_digest(candidate.encode("utf-8", "surrogateescape"), expected):
-        raise ApiError(401, "invalid bearer token")
+        raise RouterApiError(401, "invalid bearer token")

@@ -1,5 +1,12 @@
 """``RouterService``: one process, one index, one writer.
 
+The service is the façade the listeners and tools construct; its parts each
+have one job: ``server/workers.py`` (``WorkerRegistry``: who is configured,
+roles, the gateway's marks, membership rules), ``server/worker_report.py``
+(what ``/workers`` and ``/metrics`` say per worker), ``server/ingest_loop.py``
+(the subscriber thread). It raises domain errors (``tokenspeed_router.errors``);
+``server/api.py:api_error`` is the one place they become HTTP statuses.
+
 Threads and who touches what::
 
     tokenspeed-ingest   owns the subscriber sockets; every item it receives goes
@@ -52,21 +59,28 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
-from tokenspeed_router.errors import ConfigError, NoWorkerAvailableError, WireError
+from tokenspeed_router.errors import (
+    ConfigError,
+    InvalidRequestError,
+    ServiceNotIngestingError,
+)
 from tokenspeed_router.events.log import EventLogWriter
 from tokenspeed_router.events.schema import KVEventBatch
 from tokenspeed_router.events.subscriber import BatchReceived, SubscriberItem
 from tokenspeed_router.router.index import KvIndex
 from tokenspeed_router.router.ingest import IndexIngestor, WorkerState
-from tokenspeed_router.router.router import Router
-from tokenspeed_router.server.api import ApiError
+from tokenspeed_router.router.router import PeerLoad, Router, WorkerRole
+from tokenspeed_router.router.scoring import WorkerLoad
+from tokenspeed_router.server.api import api_errors
 from tokenspeed_router.server.config import ServerConfig, SubscriberSpec, WorkerSpec
 from tokenspeed_router.server.ingest_loop import IngestLoop
 from tokenspeed_router.server.metrics import ServiceMetrics, WorkerSample, WorkerStateCollector
+from tokenspeed_router.server.worker_report import worker_entries, worker_samples
+from tokenspeed_router.server.workers import WorkerRegistry
 
 __all__ = [
     "IngestSink",
@@ -167,9 +181,9 @@ class RouterService:
         record_source: str = "tokenspeed-router serve",
     ) -> None:
         self.config = config
-        self.index = KvIndex()
-        self.router = Router(self.index, config.router_config())
-        self.ingestor = IndexIngestor(self.index, on_state_change=self._on_state_change)
+        self._index = KvIndex()
+        self._router = Router(self._index, config.router)
+        self._ingestor = IndexIngestor(self._index, on_state_change=self._on_state_change)
         self._ingest_lock = threading.RLock()
         self._lock = threading.RLock()  # re-entered by _on_state_change under the writers below
         self.metrics = ServiceMetrics(self._lock)
@@ -182,18 +196,14 @@ class RouterService:
         self._sink: IngestSink | None = None
         self.recorder: RecordingSink | None = None
         self._loop: IngestLoop | None = None
-        self._specs: dict[str, WorkerSpec] = {}  # configured worker name -> spec
-        self._subs: dict[str, SubscriberSpec] = {}  # stream name -> spec
-        self._roles: dict[str, str] = {}  # routable worker -> role
-        self._replayed: dict[str, int] = {}
-        #: streams whose prefix knowledge the gateway's truth loop distrusts (misaligned)
-        self._distrusted: set[str] = set()
-        #: streams the gateway found unreachable: taken out of routing until they answer
-        self._unreachable: set[str] = set()
+        self._workers = WorkerRegistry()  # mutated under self._lock
         self._serving = False
         self._stopped = False
         self._ingesting = False
+        #: notified when the ingestion loop starts and when the service stops
+        self._loop_changed = threading.Condition()
         self._state_health: Callable[[], dict[str, Any]] | None = None
+        self._peer_load: PeerLoad | None = None
         #: the ``source`` written in the header of a ``--record`` log
         self.record_source = record_source
 
@@ -223,7 +233,7 @@ class RouterService:
         # sink may apply items from its shared stream as soon as it is built.
         subs = self.config.subscribers()
         for spec in self.config.workers:
-            self._specs[spec.name] = spec
+            self._workers.specs[spec.name] = spec
         self._register(subs)
         base = self._sink_factory(self) if self._sink_factory is not None else LocalIngestSink(self)
         self._sink = base
@@ -248,12 +258,14 @@ class RouterService:
         )
         self._loop.start(subs if self._ingesting else [])
         self._serving = True
+        self._notify_loop_changed()
         logger.info("router service started with %d stream(s)", len(subs))
 
     def _abort_start(self) -> None:
         """Undo a partial :meth:`start` (best effort, never raises)."""
         self._stopped = True
         self._serving = False
+        self._notify_loop_changed()
         if self._loop is not None:
             try:
                 self._loop.stop()
@@ -276,6 +288,7 @@ class RouterService:
             return
         self._stopped = True
         self._serving = False
+        self._notify_loop_changed()  # a state backend waiting for the loop gives up now
         if self._loop is not None:
             self._loop.stop()
         if self._sink is not None:
@@ -314,7 +327,7 @@ class RouterService:
         """
         loop = self._require_loop()
         self._ingesting = True
-        subs = list(self._subs.values())
+        subs = list(self._workers.streams.values())
         seqs = dict(start_seqs or {})
 
         def open_missing() -> None:
@@ -335,9 +348,43 @@ class RouterService:
     def ingesting(self) -> bool:
         return self._ingesting
 
+    @property
+    def ingest_loop_running(self) -> bool:
+        """True while the ingestion thread runs (subscribed or not)."""
+        return self._loop is not None and self._loop.running
+
+    def wait_ingest_loop(self, timeout_s: float) -> bool:
+        """Block until the ingestion loop runs (True), or the service stops or ``timeout_s`` passes (False).
+
+        A state backend that wins the lease while :meth:`start` is still
+        building the loop waits here instead of polling :meth:`health`.
+        """
+        with self._loop_changed:
+            self._loop_changed.wait_for(lambda: self._stopped or self.ingest_loop_running, timeout_s)
+        return self.ingest_loop_running and not self._stopped
+
+    def _notify_loop_changed(self) -> None:
+        with self._loop_changed:
+            self._loop_changed.notify_all()
+
+    @property
+    def index(self) -> KvIndex:
+        """The block index (replaced whole by a warm start: read it under :meth:`locked`)."""
+        return self._index
+
+    @property
+    def ingestor(self) -> IndexIngestor:
+        """Per-worker ingestion state over :attr:`index`."""
+        return self._ingestor
+
+    @property
+    def router(self) -> Router:
+        """The routing decisions over :attr:`index`."""
+        return self._router
+
     def _require_loop(self) -> IngestLoop:
         if self._loop is None or not self._loop.running:
-            raise ApiError(409, "the service is not running its ingestion loop")
+            raise ServiceNotIngestingError("the service is not running its ingestion loop")
         return self._loop
 
     # --- the way into the index -------------------------------------------------------
@@ -352,11 +399,12 @@ class RouterService:
             with self._lock:
                 self._ensure_worker(item.worker)
                 if isinstance(item, BatchReceived) and item.replayed:
-                    self._replayed[item.worker] = self._replayed.get(item.worker, 0) + 1
-                if not self.index.concurrent_reads:
-                    self.ingestor.on_item(item)
-            if self.index.concurrent_reads:
-                self.ingestor.on_item(item)  # the core locks per event: queries run meanwhile
+                    replayed = self._workers.replayed
+                    replayed[item.worker] = replayed.get(item.worker, 0) + 1
+                if not self._index.concurrent_reads:
+                    self._ingestor.on_item(item)
+            if self._index.concurrent_reads:
+                self._ingestor.on_item(item)  # the core locks per event: queries run meanwhile
             if isinstance(item, BatchReceived) and item.batch.ts > 0:
                 # publisher's timestamp -> visible to queries (same host clock assumed)
                 self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch.ts))
@@ -368,37 +416,36 @@ class RouterService:
         with self._ingest_lock:
             with self._lock:
                 self._ensure_worker(worker)
-                if not self.index.concurrent_reads:
-                    self.ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
-            if self.index.concurrent_reads:
-                self.ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
+                if not self._index.concurrent_reads:
+                    self._ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
+            if self._index.concurrent_reads:
+                self._ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
 
     def _ensure_worker(self, name: str) -> None:
         # under the lock
-        if name not in self._roles:
-            sub = self._subs.get(name)
-            role = sub.role if sub is not None else "both"
-            self.router.add_worker(name, role)
-            self.ingestor.add_worker(name)
-            self._roles[name] = role
-            if self.ingestor.is_cold(name):
-                self.router.set_cold(name, True)
+        if name not in self._workers.roles:
+            role = self._workers.role_of_stream(name)
+            self._router.add_worker(name, role)
+            self._ingestor.add_worker(name)
+            self._workers.roles[name] = role
+            if self._ingestor.is_cold(name):
+                self._router.set_cold(name, True)
 
     def ensure_worker_locked(self, name: str) -> None:
         """Make ``name`` routable with its current ingestion state (caller holds :meth:`locked`).
 
-        For state backends that fold items into ``self.ingestor`` directly
+        For state backends that fold items into :attr:`ingestor` directly
         (snapshot restore): the router learns the worker and its cold flag.
         """
         self._ensure_worker(name)
-        if name not in self._unreachable:
-            self.router.set_cold(name, self.ingestor.is_cold(name) or name in self._distrusted)
+        if name not in self._workers.unreachable:
+            self._router.set_cold(name, self._workers.cold(name, self._ingestor.is_cold(name)))
 
     def _on_state_change(self, worker: str, state: WorkerState) -> None:
         # called by the ingestor, under the ingest lock
         with self._lock:
-            if worker in self._roles and worker not in self._unreachable:
-                self.router.set_cold(worker, state is not WorkerState.LIVE or worker in self._distrusted)
+            if self._workers.routable(worker):
+                self._router.set_cold(worker, self._workers.cold(worker, state is not WorkerState.LIVE))
 
     def set_distrusted(self, name: str, distrusted: bool) -> None:
         """Route ``name`` on load only (its prefix score ignored) while ``distrusted``.
@@ -408,11 +455,11 @@ class RouterService:
         """
         with self._lock:
             if distrusted:
-                self._distrusted.add(name)
+                self._workers.distrusted.add(name)
             else:
-                self._distrusted.discard(name)
-            if name in self._roles and name not in self._unreachable:
-                self.router.set_cold(name, distrusted or self.ingestor.is_cold(name))
+                self._workers.distrusted.discard(name)
+            if self._workers.routable(name):
+                self._router.set_cold(name, self._workers.cold(name, self._ingestor.is_cold(name)))
 
     def set_reachable(self, name: str, reachable: bool) -> None:
         """Take ``name`` out of routing (its engine refuses connections) or put it back.
@@ -420,77 +467,79 @@ class RouterService:
         Its index entries stay: they are still what the engine holds. Its
         in-flight load is forgotten while it is out.
         """
+        workers = self._workers
         with self._lock:
-            if name not in self._roles:
+            if name not in workers.roles:
                 return
             if reachable:
-                if name in self._unreachable:
-                    self._unreachable.discard(name)
-                    self.router.add_worker(name, self._roles[name])
-                    self.router.set_cold(name, name in self._distrusted or self.ingestor.is_cold(name))
-            elif name not in self._unreachable:
-                self._unreachable.add(name)
-                self.router.remove_worker(name)
+                if name in workers.unreachable:
+                    workers.unreachable.discard(name)
+                    self._router.add_worker(name, workers.roles[name])
+                    self._router.set_cold(name, workers.cold(name, self._ingestor.is_cold(name)))
+            elif name not in workers.unreachable:
+                workers.unreachable.add(name)
+                self._router.remove_worker(name)
 
     def mark_prefill_done(self, request_id: str) -> bool:
         """The request's first token arrived: its prefill no longer counts as queued load."""
         with self._lock:
-            return self.router.mark_prefill_done(request_id)
+            return self._router.mark_prefill_done(request_id)
 
     def worker_specs(self) -> dict[str, WorkerSpec]:
         """The configured workers (``--worker`` and ``PUT /workers``) by name."""
-        return dict(self._specs)
+        return dict(self._workers.specs)
 
     def stream_specs(self) -> dict[str, SubscriberSpec]:
         """Every subscribed stream (one per worker, or one per DP rank) by stream name."""
-        return dict(self._subs)
+        return dict(self._workers.streams)
 
     def _mark_stale(self, name: str) -> None:
         with self._ingest_lock, self._lock:
             self._ensure_worker(name)
-            self.ingestor.mark_stale(name)
+            self._ingestor.mark_stale(name)
 
-    def preset_roles(self, roles: Mapping[str, str]) -> None:
+    def preset_roles(self, roles: Mapping[str, WorkerRole | str]) -> None:
         """Declare roles of workers known only from a log (``replay`` reads them from its header)."""
         with self._ingest_lock, self._lock:
             for name, role in roles.items():
-                if name not in self._roles:
-                    self.router.add_worker(name, role)
-                    self.ingestor.add_worker(name)
-                    self._roles[name] = role
+                if name not in self._workers.roles:
+                    self._router.add_worker(name, role)
+                    self._ingestor.add_worker(name)
+                    self._workers.roles[name] = WorkerRole(role)
 
     def replace_index(self, index: KvIndex) -> None:
-        """Adopt a restored index (warm start from a snapshot); hold :meth:`locked`.
+        """Adopt a restored index (warm start from a snapshot), under both locks.
 
         The ingestor and the router are rebuilt around it (in-flight requests
         are forgotten: a warm start happens before serving), and every known
         worker keeps its role; its ingestion state starts ``live``.
         """
-        self.index = index
-        self.ingestor = IndexIngestor(index, on_state_change=self._on_state_change)
-        self.router = Router(index, self.router.config)
-        for name, role in self._roles.items():
-            if name not in self._unreachable:
-                self.router.add_worker(name, role)
-            self.ingestor.add_worker(name)
+        with self._ingest_lock, self._lock:
+            ingestor = IndexIngestor(index, on_state_change=self._on_state_change)
+            router = Router(index, self._router.config, peer_load=self._peer_load)
+            for name, role in self._workers.roles.items():
+                if name not in self._workers.unreachable:
+                    router.add_worker(name, role)
+                ingestor.add_worker(name)
+            self._index, self._ingestor, self._router = index, ingestor, router
 
     def _register(self, subs: Iterable[SubscriberSpec]) -> None:
         with self._ingest_lock, self._lock:
             for sub in subs:
-                self._subs[sub.name] = sub
+                self._workers.streams[sub.name] = sub
                 self._ensure_worker(sub.name)
-                if self._roles[sub.name] != sub.role:  # first seen in a stream, before its spec
-                    self.router.add_worker(sub.name, sub.role)
-                    self._roles[sub.name] = sub.role
-            self.metrics.workers.set(len(self._subs))
+                if self._workers.roles[sub.name] != sub.role:  # first seen in a stream, before its spec
+                    self._router.add_worker(sub.name, sub.role)
+                    self._workers.roles[sub.name] = sub.role
+            self.metrics.workers.set(len(self._workers.streams))
 
     # --- queries ---------------------------------------------------------------------
 
     def match(self, token_ids: list[int], lora_id: int | str | None = None, salt: str | None = None) -> dict[str, Any]:
         """``POST /match``: per-worker leading blocks held, block sizes, per-tier detail."""
         t0 = time.perf_counter()
-        try:
-            index = self.index
+        with api_errors():  # bad token ids: 400
+            index = self._index
             if index.concurrent_reads:
                 # The native core locks each query and each event itself: a
                 # match never waits behind a whole batch held under our lock.
@@ -500,8 +549,6 @@ class RouterService:
                 with self._lock:
                     detail = index.match_detail(token_ids, lora_id=lora_id, salt=salt)
                     self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
-        except WireError as err:
-            raise ApiError(400, f"invalid token_ids: {err}") from None
         return {"scores": detail.scores, "block_size": detail.block_size, "tiers": detail.tiers}
 
     def route(
@@ -514,76 +561,46 @@ class RouterService:
     ) -> dict[str, Any]:
         """``POST /route``: choose a worker and count the request in flight."""
         t0 = time.perf_counter()
-        try:
-            with self._lock:
-                d = self.router.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt)
-                q = self.metrics.queries
-                q.route_latency.observe(time.perf_counter() - t0)
-                q.observe_route(d.worker, d.matched_tokens, len(token_ids))
-        except NoWorkerAvailableError as err:
-            raise ApiError(503, f"no worker available: {err}") from None
-        except WireError as err:
-            raise ApiError(400, f"invalid token_ids: {err}") from None
+        with api_errors(), self._lock:  # no worker: 503; bad token ids: 400
+            d = self._router.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt)
+            q = self.metrics.queries
+            q.route_latency.observe(time.perf_counter() - t0)
+            q.observe_route(d.worker, d.matched_tokens, len(token_ids))
         return d.to_dict()
 
     def release(self, request_id: str) -> bool:
         """``POST /release``: True when the request was in flight (unknown ids are not errors)."""
         with self._lock:
-            found = self.router.release(request_id)
+            found = self._router.release(request_id)
             self.metrics.queries.releases["released" if found else "unknown"] += 1
         return found
 
-    def workers(self) -> dict[str, Any]:
-        """``GET /workers``: ``{name: info}`` per stream, at the top level (DESIGN §6).
+    def attach_peer_load(self, peer_load: PeerLoad | None) -> None:
+        """Add other router replicas' in-flight load to routing (None: stop).
 
-        ``info`` holds role, state, blocks held (``blocks``, also as
-        ``blocks_held``), last seq, events applied and lag (``lag_s``: seconds
-        since the worker's last batch timestamp, also as ``lag``), plus
-        counters and endpoints.
+        The Redis state backend calls it once its ``SharedLoad`` runs; it
+        survives :meth:`replace_index`.
         """
+        with self._lock:
+            self._peer_load = peer_load
+            self._router.set_peer_load(peer_load)
+
+    def local_load(self) -> dict[str, WorkerLoad]:
+        """This process's own in-flight load per worker (any thread; takes the lock)."""
+        with self._lock:
+            return self._router.load()
+
+    def workers(self) -> dict[str, Any]:
+        """``GET /workers``: ``{name: info}`` per stream (see :func:`worker_entries`)."""
         now = self._wall_clock()
         connected = self._loop.connected() if self._loop is not None else {}
         stats = self._loop.statistics() if self._loop is not None else {}
-        out: dict[str, Any] = {}
         with self._lock:
-            statuses = self.ingestor.statuses()
-            load = self.router.load()
-            names = list(dict.fromkeys([*self._subs, *self._roles, *statuses]))
-            for name in names:
-                st = statuses.get(name)
-                sub = self._subs.get(name)
-                wl = load.get(name)
-                blocks = self.index.num_blocks(name)
-                lag = (now - st.last_batch_ts) if st is not None and st.last_batch_ts else None
-                entry: dict[str, Any] = {
-                    "worker": sub.worker if sub is not None else name,
-                    "dp_rank": sub.dp_rank if sub is not None else None,
-                    "role": self._roles.get(name, sub.role if sub is not None else "both"),
-                    "state": st.state.value if st is not None else "live",
-                    "blocks": blocks,
-                    "blocks_held": blocks,
-                    "blocks_by_tier": self.index.blocks_by_tier(name),
-                    "block_size": self.index.block_size_of(name),
-                    "last_seq": st.last_seq if st is not None else None,
-                    "epoch": st.epoch if st is not None else 0,
-                    "batches_applied": st.batches_applied if st is not None else 0,
-                    "events_applied": st.events_applied if st is not None else 0,
-                    "events_rejected": st.events_rejected if st is not None else 0,
-                    "resyncs": st.resyncs if st is not None else 0,
-                    "restarts": st.restarts if st is not None else 0,
-                    "replayed_batches": self._replayed.get(name, 0),
-                    "gaps": stats[name].gaps if name in stats else 0,
-                    "malformed_frames": stats[name].malformed_total if name in stats else 0,
-                    "lag_s": lag,
-                    "lag": lag,
-                    "ingest_delay_s": st.lag_s if st is not None else None,
-                    "in_flight": getattr(wl, "active_requests", 0) if wl is not None else 0,
-                    "connected": connected.get(name),
-                    "events_endpoint": sub.events if sub is not None else None,
-                    "replay_endpoint": sub.replay if sub is not None else None,
-                }
-                out[name] = entry
-        return out
+            peers = self._peer_load.peers() if self._peer_load is not None else {}
+            return worker_entries(
+                self._workers, self._index, self._ingestor.statuses(), self._router.load(), stats, connected, now,
+                peers=peers,
+            )
 
     def health(self) -> dict[str, Any]:
         """``GET /health``: a cheap summary, and whether routing can be trusted.
@@ -596,9 +613,9 @@ class RouterService:
         """
         state = self._state_health() if self._state_health is not None else None
         problems: list[str] = []
-        if self._subs:
+        if self._workers.streams:
             with self._lock:
-                states = [st.state for st in self.ingestor.statuses().values()]
+                states = [st.state for st in self._ingestor.statuses().values()]
             if states and all(s is WorkerState.STALE for s in states):
                 problems.append(f"every worker is stale ({len(states)} stream(s) unreachable)")
         if state is not None and state.get("connected") is False:
@@ -610,7 +627,7 @@ class RouterService:
             "status": status,
             "problems": problems,
             "uptime_s": round(time.monotonic() - self._started_s, 3),
-            "workers": len(self._roles),
+            "workers": len(self._workers.roles),
             "ingesting": self._loop is not None and self._loop.running,  # the loop runs
             "subscribed": self._ingesting,  # False while a replicated backend leads elsewhere
             **({"state": state} if state is not None else {}),
@@ -626,64 +643,46 @@ class RouterService:
         replicated backend holds ingestion elsewhere, the worker is registered
         and subscribed at the next :meth:`start_ingestion`.
         """
+        with api_errors():
+            return self._put_worker(spec, timeout_s)
+
+    def _put_worker(self, spec: WorkerSpec, timeout_s: float) -> tuple[bool, list[str]]:
         if self._loop is None or not self._loop.running:
-            raise ApiError(409, "the service is not ingesting (no run-time workers here)")
-        old = self._specs.get(spec.name)
-        if old == spec:
+            raise ServiceNotIngestingError("the service is not ingesting (no run-time workers here)")
+        if self._workers.specs.get(spec.name) == spec:
             return False, [s.name for s in spec.subscribers()]
+        old = self._workers.check_put(spec)
         new_subs = list(spec.subscribers())
-        taken = {
-            ep: s.name
-            for s in self._subs.values()
-            if old is None or s.worker != spec.name
-            for ep in (s.events, s.replay)
-            if ep is not None
-        }
-        for sub in new_subs:
-            if sub.name in self._roles and (old is None or self._subs.get(sub.name, sub).worker != spec.name):
-                raise ApiError(409, f"worker name {sub.name!r} is already in use")
-            for ep in (sub.events, sub.replay):
-                if ep is not None and ep in taken:
-                    raise ApiError(409, f"endpoint {ep} is already used by worker {taken[ep]!r}")
         if old is not None:
-            self.delete_worker(spec.name, timeout_s)
+            self._delete_worker(spec.name, timeout_s)
         loop = self._loop
         try:
             if self._ingesting:
                 loop.call(lambda: loop.open_streams(new_subs), timeout_s)
         except (ConfigError, zmq.ZMQError, ValueError) as err:
-            raise ApiError(400, f"cannot subscribe to worker {spec.name!r}: {err}") from None
-        self._specs[spec.name] = spec
+            raise InvalidRequestError(f"cannot subscribe to worker {spec.name!r}: {err}") from None
+        self._workers.specs[spec.name] = spec
         self._register(new_subs)
         logger.info("worker %s added at run time (%d stream(s))", spec.name, len(new_subs))
         return old is None, [s.name for s in new_subs]
 
     def delete_worker(self, name: str, timeout_s: float = 10.0) -> list[str]:
         """Unsubscribe and forget a worker (a configured name or one stream name)."""
-        spec = self._specs.get(name)
-        sub = self._subs.get(name)
-        if spec is not None:
-            names = [s.name for s in spec.subscribers()]
-        elif sub is not None and sub.worker in self._specs:
-            raise ApiError(409, f"{name!r} is one rank of worker {sub.worker!r}: delete {sub.worker!r}")
-        elif name in self._roles or name in self._subs:
-            names = [name]
-        else:
-            raise ApiError(404, f"unknown worker {name!r}")
+        with api_errors():
+            return self._delete_worker(name, timeout_s)
+
+    def _delete_worker(self, name: str, timeout_s: float) -> list[str]:
+        names = self._workers.streams_of(name)
         if self._loop is not None and self._loop.running:
             loop = self._loop
             loop.call(lambda: [loop.close_stream(n) for n in names], timeout_s)
         with self._ingest_lock, self._lock:
             for n in names:
-                self.router.remove_worker(n)
-                self.ingestor.remove_worker(n)
-                self._roles.pop(n, None)
-                self._distrusted.discard(n)
-                self._unreachable.discard(n)
-                self._subs.pop(n, None)
-                self._replayed.pop(n, None)
-            self.metrics.workers.set(len(self._subs))
-        self._specs.pop(name, None)
+                self._router.remove_worker(n)
+                self._ingestor.remove_worker(n)
+            self._workers.forget(names)
+            self.metrics.workers.set(len(self._workers.streams))
+        self._workers.specs.pop(name, None)
         logger.info("worker %s removed at run time", name)
         return names
 
@@ -694,29 +693,9 @@ class RouterService:
 
     def _worker_samples(self) -> Iterator[WorkerSample]:
         now = self._wall_clock()
-        subs = self._loop.statistics() if self._loop is not None else {}
+        stats = self._loop.statistics() if self._loop is not None else {}
         with self._lock:
-            statuses = self.ingestor.statuses()
-            samples = [
-                WorkerSample(
-                    name=name,
-                    role=self._roles.get(name, "both"),
-                    state=st.state.value,
-                    batches_applied=st.batches_applied,
-                    events_applied=st.events_applied,
-                    events_rejected=st.events_rejected,
-                    resyncs=st.resyncs,
-                    restarts=st.restarts,
-                    replayed_batches=self._replayed.get(name, 0),
-                    gaps=subs[name].gaps if name in subs else st.resyncs,
-                    replay_requests=subs[name].replay_requests if name in subs else 0,
-                    replay_timeouts=subs[name].replay_timeouts if name in subs else 0,
-                    malformed=subs[name].malformed_total if name in subs else 0,
-                    lag_s=(now - st.last_batch_ts) if st.last_batch_ts else None,
-                    blocks_by_tier=self.index.blocks_by_tier(name),
-                )
-                for name, st in statuses.items()
-            ]
+            samples = worker_samples(self._workers, self._index, self._ingestor.statuses(), stats, now)
         return iter(samples)
 
     @contextmanager
@@ -724,3 +703,11 @@ class RouterService:
         """Hold both locks: nothing is applied meanwhile (tools that read or replace the index)."""
         with self._ingest_lock, self._lock:
             yield
+
+
+if TYPE_CHECKING:
+    from tokenspeed_router.state.service import ServiceHost
+
+    def _fits_state_backend(service: RouterService) -> ServiceHost:
+        """mypy checks here that the service is what ``serve --state`` needs."""
+        return service

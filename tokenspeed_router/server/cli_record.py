@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker", action="append", metavar="SPEC",
         help="name=NAME,events=ENDPOINT[,replay=ENDPOINT][,dp_ranks=N][,topic=T] (repeatable; "
-        "env TOKENSPEED_ROUTER_WORKER(S))",
+        "env TOKENSPEED_ROUTER_WORKERS)",
     )
     parser.add_argument("--config", metavar="FILE", help="TOML config file (its workers are used)")
     parser.add_argument("--out", required=True, metavar="FILE", help="event log to write (replaced)")

@@ -35,6 +35,7 @@ import msgspec
 from tokenspeed_router.errors import ConfigError, EventLogError, WireError
 from tokenspeed_router.events.codec import BatchDecoder
 from tokenspeed_router.events.log import LOG_MAGIC, EventLogReader, LogRecord, open_event_source
+from tokenspeed_router.router.router import WorkerRole
 from tokenspeed_router.server.cli_serve import (
     add_listener_arguments,
     config_from_args,
@@ -208,7 +209,8 @@ def replay_into(
 
 def answer_queries(service: Any, lines: Iterable[str], out: IO[str]) -> int:
     """Answer each JSON line as ``POST /match`` would; bad lines get ``{"error": ...}``."""
-    from tokenspeed_router.server.api import ApiError, MatchRequest, decode_json, validate_request
+    from tokenspeed_router.errors import RouterApiError
+    from tokenspeed_router.server.api import MatchRequest, decode_json, validate_request
 
     decoder = msgspec.json.Decoder(MatchRequest)
     encoder = msgspec.json.Encoder()
@@ -222,14 +224,14 @@ def answer_queries(service: Any, lines: Iterable[str], out: IO[str]) -> int:
             req = decode_json(decoder, text.encode())
             validate_request(req, service.config.limits)
             answer: dict[str, Any] = service.match(req.token_ids, lora_id=req.lora_id, salt=req.salt)
-        except ApiError as err:
+        except RouterApiError as err:
             answer = {"error": f"line {lineno}: {err.message}"}
         out.write(encoder.encode(answer).decode() + "\n")
     out.flush()
     return n
 
 
-def _roles_from_meta(path: str) -> dict[str, str]:
+def _roles_from_meta(path: str) -> dict[str, WorkerRole]:
     """Worker roles recorded by ``serve --record`` in the log header (else empty)."""
     from tokenspeed_router.server.config import WorkerSpec
 
@@ -241,7 +243,7 @@ def _roles_from_meta(path: str) -> dict[str, str]:
             meta = reader.meta
     except (EventLogError, OSError):
         return {}
-    roles: dict[str, str] = {}
+    roles: dict[str, WorkerRole] = {}
     for data in meta.get("workers", []) or []:
         try:
             spec = WorkerSpec.from_mapping(data)

@@ -56,7 +56,7 @@ def add_listener_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", help="routing policy: kv_aware (default), random, round_robin, least_loaded, approx")
     parser.add_argument(
         "--router-option", action="append", metavar="KEY=VALUE",
-        help="a RouterConfig knob, e.g. queue_weight=0.5 (repeatable; env "
+        help="a RouterConfig knob other than policy and inflight_timeout_s, e.g. queue_weight=0.5 (repeatable; env "
         "TOKENSPEED_ROUTER_ROUTER_OPTIONS='k=v;k=v'; TOML [router] table)",
     )
     parser.add_argument("--inflight-timeout-s", type=float, metavar="S", help="in-flight entries expire after S seconds")
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker", action="append", metavar="SPEC",
         help="name=NAME,events=ENDPOINT[,replay=ENDPOINT][,role=prefill|decode|both][,dp_ranks=N][,topic=T]"
         "[,url=http://HOST:PORT][,curve_server_key=RELAY.key,curve_key=OWN.key_secret] "
-        "(repeatable; env TOKENSPEED_ROUTER_WORKER(S)='spec;spec'; TOML [[worker]])",
+        "(repeatable; env TOKENSPEED_ROUTER_WORKERS='spec;spec'; TOML [[workers]] tables)",
     )
     parser.add_argument("--config", metavar="FILE", help="TOML config file (env TOKENSPEED_ROUTER_CONFIG)")
     parser.add_argument("--state", metavar="URL", help="shared state backend, e.g. redis://127.0.0.1:6379/0")

@@ -40,12 +40,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.errors import ConfigError, RouterApiError, TokenspeedError
 from tokenspeed_router.server.api import (
-    ApiError,
     MatchRequest,
     ReleaseRequest,
     RouteRequest,
+    api_error,
     check_bearer,
     decode_json,
     request_id_text,
@@ -100,7 +100,7 @@ class _Endpoint:
     skips its per-request ``Request``/``Response`` objects and exception
     wrappers, which cost about a quarter of a ``/route`` in process. Here:
     auth (before reading the body), a capped body read, the handler, JSON out;
-    :class:`ApiError` becomes its status and ``{"error": ...}``, anything else
+    :class:`RouterApiError` becomes its status and ``{"error": ...}``, anything else
     a logged 500.
     """
 
@@ -126,7 +126,8 @@ class _Endpoint:
                 check_bearer(presented, self._expected, header=True)
             body = await read_body(receive, length, self._max_body) if self._read else b""
             result = await self._handler(scope, body)
-        except ApiError as err:
+        except TokenspeedError as caught:
+            err = api_error(caught)
             self._service.metrics.api_errors.labels("http", str(err.status)).inc()
             extra = [(b"www-authenticate", b"Bearer")] if err.status == 401 else None
             await _send(send, err.status, _json.encode({"error": err.message}), extra=extra)
@@ -148,19 +149,19 @@ async def read_body(receive: Receive, length: bytes | None, max_body: int) -> by
         try:
             declared = int(length)
         except ValueError:
-            raise ApiError(400, f"invalid Content-Length {length!r}") from None
+            raise RouterApiError(400, f"invalid Content-Length {length!r}") from None
         if declared > max_body:
-            raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {max_body}")
+            raise RouterApiError(413, f"request body of {declared} bytes exceeds the limit of {max_body}")
     chunks: list[bytes] = []
     size = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            raise ApiError(400, "client disconnected before sending the body")
+            raise RouterApiError(400, "client disconnected before sending the body")
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > max_body:
-            raise ApiError(413, f"request body exceeds the limit of {max_body} bytes")
+            raise RouterApiError(413, f"request body exceeds the limit of {max_body} bytes")
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -211,7 +212,7 @@ def create_app(service: RouterService) -> Starlette:
         try:
             spec = WorkerSpec.from_mapping(data, name=name, source=f"PUT /workers/{name}")
         except ConfigError as err:
-            raise ApiError(400, str(err)) from None
+            raise api_error(err) from None
         # run-time membership goes through the ingestion thread: do not block the loop
         created, streams = await asyncio.to_thread(service.put_worker, spec)
         answer = {"worker": spec.to_dict(), "streams": streams, "created": created}

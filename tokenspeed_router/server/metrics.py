@@ -68,6 +68,7 @@ class WorkerSample:
     replay_requests: int = 0
     replay_timeouts: int = 0
     malformed: int = 0
+    duplicates: int = 0
     blocks_by_tier: dict[str, int] = field(default_factory=dict)
 
 
@@ -98,6 +99,10 @@ class WorkerStateCollector(Collector):
                 "batches received through replay after a gap",
             ),
             "gaps": ("tokenspeed_ingest_gaps", "sequence gaps detected (healed by replay or not)"),
+            "duplicates": (
+                "tokenspeed_ingest_duplicates",
+                "batches received twice (duplicated or reordered frames, replay overlap), skipped",
+            ),
             "replay_requests": ("tokenspeed_ingest_replay_requests", "replays asked of the publisher"),
             "replay_timeouts": ("tokenspeed_ingest_replay_timeouts", "replays the publisher did not answer in time"),
             "malformed": ("tokenspeed_ingest_malformed_frames", "frames skipped as malformed (bad seq, payload, topic)"),

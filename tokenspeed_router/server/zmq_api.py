@@ -17,28 +17,37 @@ than ``max_body_bytes`` make libzmq drop that peer's connection
 
 from __future__ import annotations
 
+import array
 import logging
 import threading
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
 
-from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.errors import ConfigError, RouterApiError, TokenspeedError
 from tokenspeed_router.server.api import (
-    ApiError,
     ZmqHealth,
     ZmqMatch,
+    ZmqMatchRaw,
     ZmqRelease,
     ZmqRequest,
+    ZmqRequestRaw,
     ZmqRoute,
+    ZmqRouteRaw,
     ZmqWorkers,
+    api_error,
     check_bearer,
     request_id_text,
     validate_request,
 )
 from tokenspeed_router.server.app import RouterService
 from tokenspeed_router.server.config import is_loopback_host
+
+try:
+    from tokenspeed_router._native import msgpack_tokens as _msgpack_tokens
+except ImportError:  # no compiler at install time: decode token ids as Python ints
+    _msgpack_tokens = None  # type: ignore[assignment]
 
 __all__ = ["ZmqApiServer"]
 
@@ -75,7 +84,9 @@ class ZmqApiServer:
                 "ZMQ API listening on non-loopback %s (auth %s)",
                 endpoint, "on" if self._expected else "OFF",
             )
-        self._decoder = msgspec.msgpack.Decoder(ZmqRequest)
+        self._decoder: msgspec.msgpack.Decoder[Any] = (
+            msgspec.msgpack.Decoder(ZmqRequestRaw) if _msgpack_tokens is not None else msgspec.msgpack.Decoder(ZmqRequest)
+        )
         self._encoder = msgspec.msgpack.Encoder()
         self._any: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder()
         self._stop = threading.Event()
@@ -99,19 +110,27 @@ class ZmqApiServer:
         sock = self._sock
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        # recv_multipart/send_multipart, unrolled with plain int flags: pyzmq's
+        # versions OR enum flags (an Enum call) and type-check every frame, per request.
+        recv, send, getsockopt = sock.recv, sock.send, sock.getsockopt
+        noblock, more, rcvmore = int(zmq.NOBLOCK), int(zmq.NOBLOCK) | int(zmq.SNDMORE), int(zmq.RCVMORE)
         try:
             while not self._stop.is_set():
                 if not poller.poll(_POLL_MS):
                     continue
                 for _ in range(_MAX_BURST):
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                        frames = [recv(noblock)]
                     except zmq.Again:
                         break
+                    while getsockopt(rcvmore):  # the rest of a multipart message is already here
+                        frames.append(recv(noblock))
                     reply = self._handle_frames(frames)
                     if reply is not None:
                         try:
-                            sock.send_multipart(reply, zmq.NOBLOCK)
+                            for frame in reply[:-1]:
+                                send(frame, more)
+                            send(reply[-1], noblock)
                         except zmq.Again:
                             logger.debug("ZMQ API reply dropped: peer not reading")
         except zmq.ZMQError as err:
@@ -139,18 +158,19 @@ class ZmqApiServer:
                 req = self._decoder.decode(payload)
             except msgspec.ValidationError as err:
                 req_id = self._salvage_id(payload)
-                raise ApiError(400, f"invalid request: {err}") from None
+                raise RouterApiError(400, f"invalid request: {err}") from None
             except msgspec.DecodeError as err:
-                raise ApiError(400, f"malformed msgpack: {err}") from None
+                raise RouterApiError(400, f"malformed msgpack: {err}") from None
             except RecursionError:
-                raise ApiError(400, "malformed msgpack: nested too deeply") from None
+                raise RouterApiError(400, "malformed msgpack: nested too deeply") from None
             req_id = req.id
             if not isinstance(req, ZmqHealth):  # health stays open, as over HTTP
                 check_bearer(req.auth, self._expected, header=False)
             result = self._dispatch(req)
-        except ApiError as err:
-            self._service.metrics.api_errors.labels("zmq", str(err.status)).inc()
-            return self._error_reply(req_id, err.status, err.message)
+        except TokenspeedError as caught:
+            refused = api_error(caught)
+            self._service.metrics.api_errors.labels("zmq", str(refused.status)).inc()
+            return self._error_reply(req_id, refused.status, refused.message)
         except Exception:
             logger.exception("unhandled error in the ZMQ API")
             self._service.metrics.api_errors.labels("zmq", "500").inc()
@@ -168,6 +188,14 @@ class ZmqApiServer:
 
     def _dispatch(self, req: Any) -> Any:
         service = self._service
+        if isinstance(req, ZmqMatchRaw):
+            # an array of u64s: the index and the hash read it in place
+            tokens = cast("list[int]", self._tokens(req))
+            validate_request(req, self._limits, len(tokens))
+            if isinstance(req, ZmqRouteRaw):
+                rid = request_id_text(req.request_id, self._limits)
+                return service.route(tokens, request_id=rid, lora_id=req.lora_id, salt=req.salt)
+            return service.match(tokens, lora_id=req.lora_id, salt=req.salt)
         if isinstance(req, ZmqRoute):
             validate_request(req, self._limits)
             rid = request_id_text(req.request_id, self._limits)
@@ -184,7 +212,19 @@ class ZmqApiServer:
             return service.workers()
         if isinstance(req, ZmqHealth):
             return service.health()
-        raise ApiError(400, f"unsupported op {type(req).__name__}")
+        raise RouterApiError(400, f"unsupported op {type(req).__name__}")
+
+    @staticmethod
+    def _tokens(req: ZmqMatchRaw) -> array.array[int]:
+        """The raw ``token_ids`` array as u64s (what the typed decoder would accept, or a 400)."""
+        assert _msgpack_tokens is not None
+        try:
+            data = _msgpack_tokens(req.token_ids)
+        except ValueError as err:
+            raise RouterApiError(400, f"invalid request: {err}") from None
+        tokens = array.array("Q")
+        tokens.frombytes(data)
+        return tokens
 
     def _error_reply(self, req_id: Any, status: int, message: str) -> bytes:
         return self._encoder.encode({"id": req_id, "status": status, "error": message})

@@ -50,16 +50,27 @@ RESYNC_SNAPSHOT_STATE = "restored_from_snapshot"
 class IndexHost(Protocol):
     """Who owns the index a replica feeds: the router service, or :class:`LocalIndexHost`.
 
-    ``apply_item`` takes the host's lock itself; ``locked()`` is for the
-    multi-step work (snapshot, restore) done here. ``RouterService`` fits.
+    ``apply_item`` and ``replace_index`` take the host's lock themselves;
+    ``locked()`` (re-entrant) is for the multi-step work (snapshot, restore)
+    done here. ``index`` and ``ingestor`` are read under ``locked()``: a
+    restore may swap them. ``RouterService`` fits.
     """
 
-    index: KvIndex
-    ingestor: IndexIngestor
+    @property
+    def index(self) -> KvIndex: ...
+
+    @property
+    def ingestor(self) -> IndexIngestor: ...
 
     def apply_item(self, item: SubscriberItem) -> None: ...
 
     def locked(self) -> AbstractContextManager[None]: ...
+
+    def replace_index(self, index: KvIndex) -> None:
+        """Adopt a restored index outright (the warm start, before serving)."""
+
+    def ensure_worker_locked(self, name: str) -> None:
+        """Make a worker restored from a snapshot known to whatever routes (under ``locked()``)."""
 
 
 class LocalIndexHost:
@@ -69,13 +80,21 @@ class LocalIndexHost:
         from tokenspeed_router.router.index import KvIndex
         from tokenspeed_router.router.ingest import IndexIngestor
 
-        self.index = index if index is not None else KvIndex()
-        self.ingestor = IndexIngestor(self.index)
-        self._lock = threading.Lock()
+        self._index = index if index is not None else KvIndex()
+        self._ingestor = IndexIngestor(self._index)
+        self._lock = threading.RLock()
+
+    @property
+    def index(self) -> KvIndex:
+        return self._index
+
+    @property
+    def ingestor(self) -> IndexIngestor:
+        return self._ingestor
 
     def apply_item(self, item: SubscriberItem) -> None:
         with self._lock:
-            self.ingestor.on_item(item)
+            self._ingestor.on_item(item)
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -83,16 +102,20 @@ class LocalIndexHost:
             yield
 
     def replace_index(self, index: KvIndex) -> None:
-        """Adopt a restored index outright (the fast warm start); caller holds the lock."""
+        """Adopt a restored index outright (the fast warm start)."""
         from tokenspeed_router.router.ingest import IndexIngestor
 
-        self.index = index
-        self.ingestor = IndexIngestor(index)
+        with self._lock:
+            self._index = index
+            self._ingestor = IndexIngestor(index)
+
+    def ensure_worker_locked(self, name: str) -> None:
+        """Nothing routes here: the ingestor already knows every restored worker."""
 
     def match(self, token_ids: list[int], lora_id: int | None = None,
               salt: str | None = None) -> dict[str, int]:
         with self._lock:
-            return self.index.match(token_ids, lora_id=lora_id, salt=salt)
+            return self._index.match(token_ids, lora_id=lora_id, salt=salt)
 
 
 class StreamApplier:
@@ -227,9 +250,8 @@ class StreamApplier:
     def install(self, envelope: SnapshotEnvelope, *, fresh: bool) -> None:
         """Make the index equal to ``envelope`` and resume reading after it.
 
-        ``fresh`` (the warm start, before serving): a host with
-        ``replace_index`` adopts the restored index object outright, the fast
-        path. Otherwise (a reload while serving, after Redis lost the stream
+        ``fresh`` (the warm start, before serving): the host adopts the
+        restored index object outright (``replace_index``), the fast path. Otherwise (a reload while serving, after Redis lost the stream
         or entries were trimmed) the live index is rewritten in place from
         the snapshot's events, so what the router holds stays valid.
         """
@@ -237,17 +259,14 @@ class StreamApplier:
 
         restored = KvIndex.restore(envelope.index)
         host = self.host
-        replace = getattr(host, "replace_index", None) if fresh else None
         with host.locked():
-            if replace is not None:
-                replace(restored)
+            if fresh:
+                host.replace_index(restored)
             else:
                 self._rewrite_live(restored)
             self._restore_states(envelope, restored)
-            ensure = getattr(host, "ensure_worker_locked", None)
-            if ensure is not None:
-                for worker in envelope.worker_states:
-                    ensure(worker)
+            for worker in envelope.worker_states:
+                host.ensure_worker_locked(worker)
         with self._pos_lock:
             self.positions = envelope.position_map()
         self.gap_workers.clear()

@@ -62,6 +62,16 @@ class RedisStateConfig:
     backoff_max_s: float = 2.0
     #: Connect / command timeouts for the Redis client.
     socket_timeout_s: float = 2.0
+    #: Share in-flight load with the other replicas (``state/load.py``).
+    share_load: bool = True
+    #: A replica's published load counts this long after its last sync (a dead
+    #: replica's load clears after at most this); also how long a Redis outage
+    #: is bridged with the last view of the peers before routing on local load.
+    load_ttl_s: float = 2.0
+    #: Sync at least this often (to see the peers' changes while idle)...
+    load_refresh_s: float = 0.05
+    #: ...and at most this often (a burst of local changes costs one round trip).
+    load_min_interval_s: float = 0.005
     replica_id: str = field(default_factory=_default_replica_id)
 
     def __post_init__(self) -> None:
@@ -77,6 +87,7 @@ class RedisStateConfig:
             "append_batch": self.append_batch, "read_count": self.read_count,
             "read_block_ms": self.read_block_ms, "backoff_min_s": self.backoff_min_s,
             "backoff_max_s": self.backoff_max_s, "socket_timeout_s": self.socket_timeout_s,
+            "load_ttl_s": self.load_ttl_s, "load_refresh_s": self.load_refresh_s,
         }
         for name, value in positive.items():
             if not value > 0:
@@ -84,6 +95,11 @@ class RedisStateConfig:
         if self.lease_renew_s is not None and not 0 < self.lease_renew_s < self.lease_ttl_s:
             raise ConfigError(
                 f"lease_renew_s must be in (0, lease_ttl_s={self.lease_ttl_s}), got {self.lease_renew_s}"
+            )
+        if not 0 <= self.load_min_interval_s <= self.load_refresh_s < self.load_ttl_s:
+            raise ConfigError(
+                "load timing must satisfy 0 <= load_min_interval_s <= load_refresh_s < load_ttl_s, "
+                f"got {self.load_min_interval_s}, {self.load_refresh_s}, {self.load_ttl_s}"
             )
         if self.backoff_min_s > self.backoff_max_s:
             raise ConfigError("backoff_min_s must not exceed backoff_max_s")
@@ -131,7 +147,10 @@ class RedisStateConfig:
 
 
 _FLOATS = {"lease_ttl_s", "lease_renew_s", "snapshot_every_s", "backoff_min_s", "backoff_max_s",
-           "socket_timeout_s"}
+           "socket_timeout_s", "load_ttl_s", "load_refresh_s", "load_min_interval_s"}
+_BOOLS = {"share_load"}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
 _INTS = {"maxlen", "snapshot_every_batches", "buffer_size", "append_batch", "read_count",
          "read_block_ms"}
 
@@ -142,8 +161,15 @@ def _coerce(key: str, value: str) -> Any:
             return float(value)
         if key in _INTS:
             return int(value)
+        if key in _BOOLS:
+            if value.lower() in _TRUE:
+                return True
+            if value.lower() in _FALSE:
+                return False
+            raise ValueError(value)
     except ValueError as err:
-        raise ConfigError(f"state option {key}={value!r} is not a number") from err
+        raise ConfigError(f"state option {key}={value!r} is not a valid "
+                          f"{'boolean' if key in _BOOLS else 'number'}") from err
     return value
 
 
@@ -159,6 +185,7 @@ class StateKeys:
     snapshot: str
     snapshot_meta: str
     snapshot_lock: str
+    load: str
 
     @classmethod
     def for_cluster(cls, cluster: str) -> StateKeys:
@@ -166,5 +193,5 @@ class StateKeys:
         return cls(
             lease=p + "lease", fence=p + "fence", stream=p + "stream", counter=p + "count",
             generation=p + "gen", snapshot=p + "snap", snapshot_meta=p + "snapmeta",
-            snapshot_lock=p + "snaplock",
+            snapshot_lock=p + "snaplock", load=p + "load",
         )

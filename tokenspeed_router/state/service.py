@@ -11,11 +11,14 @@ The router service (``tokenspeed_router.server.app``) calls
 * subscribes (``start_ingestion`` from the stream's last seqs) when this
   replica takes the lease, unsubscribes when it loses it;
 * reports role, degradation and lag (``health()``; a Prometheus collector on
-  the service's registry for ``/metrics``).
+  the service's registry for ``/metrics``);
+* shares this replica's in-flight load with the other replicas and adds
+  theirs to its router (:mod:`.load`; ``share_load=0`` in the URL turns it
+  off), through ``local_load`` and ``attach_peer_load`` of the service.
 
-The service is used duck-typed (``index``, ``ingestor``, ``apply_item``,
-``locked``, ``replace_index``, ``ensure_worker_locked``, ``start_ingestion``,
-``stop_ingestion``, ``health``, ``metrics``), so this package does not
+The service is typed by :class:`ServiceHost` (what this backend needs of it:
+the :class:`~tokenspeed_router.state.applier.IndexHost` seam plus ingestion
+control, load sharing and a metrics registry), so this package does not
 import the server.
 """
 
@@ -23,19 +26,57 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 from tokenspeed_router.events.subscriber import SubscriberItem
+from tokenspeed_router.router.router import PeerLoad
+from tokenspeed_router.router.scoring import WorkerLoad
+from tokenspeed_router.state.applier import IndexHost
 from tokenspeed_router.state.config import RedisStateConfig
+from tokenspeed_router.state.load import SharedLoad
 from tokenspeed_router.state.replica import RedisStateReplica
 
-__all__ = ["RedisIngestSink", "StateCollector", "create_ingest_sink"]
+__all__ = ["RedisIngestSink", "ServiceHost", "StateCollector", "create_ingest_sink"]
 
 logger = logging.getLogger(__name__)
 
+#: how long a new leader waits for the service's ingestion loop to start
 _LOOP_WAIT_S = 30.0
+
+
+class CollectorRegistry(Protocol):
+    """Where scrape-time Prometheus collectors go (the service's ``metrics``)."""
+
+    def add_collector(self, collector: Any) -> None: ...
+
+
+class ServiceHost(IndexHost, Protocol):
+    """What the Redis backend needs from the router service (``RouterService`` fits).
+
+    Ingestion control is called from the replica's lease thread: the lease
+    may be won while the service is still starting, so it first waits (on an
+    event the service sets, no polling) for the service's ingestion loop.
+    """
+
+    @property
+    def metrics(self) -> CollectorRegistry: ...
+
+    @property
+    def ingest_loop_running(self) -> bool: ...
+
+    def wait_ingest_loop(self, timeout_s: float) -> bool:
+        """Block until the ingestion loop runs (True), or the service stops or the time is up (False)."""
+
+    def start_ingestion(self, start_seqs: Mapping[str, int] | None = None, timeout_s: float = 10.0) -> None: ...
+
+    def stop_ingestion(self, timeout_s: float = 10.0) -> None: ...
+
+    def local_load(self) -> Mapping[str, WorkerLoad]:
+        """This replica's own in-flight load per worker (any thread: the host locks)."""
+
+    def attach_peer_load(self, peer_load: PeerLoad | None) -> None:
+        """Add (None: stop adding) the other replicas' in-flight load to routing."""
 
 
 class RedisIngestSink:
@@ -44,47 +85,55 @@ class RedisIngestSink:
     #: The service starts with no subscription; we subscribe while we lead.
     manages_ingestion = True
 
-    def __init__(self, replica: RedisStateReplica, service: Any) -> None:
+    def __init__(self, replica: RedisStateReplica, service: ServiceHost) -> None:
         self.replica = replica
         self._service = service
         self._stop = threading.Event()
+        #: Load sharing with the other replicas (None when ``share_load`` is off).
+        self.shared_load: SharedLoad | None = None
 
     def submit(self, item: SubscriberItem) -> None:
         self.replica.submit(item)
 
     def close(self) -> None:
         self._stop.set()
+        if self.shared_load is not None:
+            self._service.attach_peer_load(None)
+            self.shared_load.close()
         self.replica.close()
 
     def health(self) -> dict[str, object]:
         """The ``state`` part of ``/health``."""
-        return self.replica.health().to_dict()
+        out = self.replica.health().to_dict()
+        if self.shared_load is not None:
+            out["shared_load"] = self.shared_load.statistics().to_dict()
+        return out
 
     # ingestion control, called from the replica's lease thread
 
     def start_ingestion(self, start_seqs: Mapping[str, int]) -> None:
         # The lease may be won while the service is still starting its loop.
-        deadline = time.monotonic() + _LOOP_WAIT_S
-        while not self._service.health().get("ingesting") and time.monotonic() < deadline:
-            if self._stop.wait(0.02):
-                return
+        if not self._service.wait_ingest_loop(_LOOP_WAIT_S) and self._stop.is_set():
+            return
         self._service.start_ingestion(start_seqs)
 
     def stop_ingestion(self) -> None:
-        if self._service.health().get("ingesting"):
+        if self._service.ingest_loop_running:
             self._service.stop_ingestion()
 
 
-def create_ingest_sink(url: str, service: Any) -> RedisIngestSink:
+def create_ingest_sink(url: str, service: ServiceHost) -> RedisIngestSink:
     """Build, warm-start and run the Redis state replica for ``service`` (SinkFactory)."""
     config = RedisStateConfig.from_url(url)
     replica = RedisStateReplica(config, service)
     sink = RedisIngestSink(replica, service)
     replica.set_ingestion((sink.start_ingestion, sink.stop_ingestion))
-    metrics = getattr(service, "metrics", None)
-    if metrics is not None and hasattr(metrics, "add_collector"):
-        metrics.add_collector(StateCollector(replica))
+    service.metrics.add_collector(StateCollector(replica, lambda: sink.shared_load))
     report = replica.start()
+    if config.share_load:
+        # after the warm start: it may replace the service's router
+        sink.shared_load = SharedLoad(config, service.local_load).start()
+        service.attach_peer_load(sink.shared_load)
     logger.info("state: replica %s on %s (cluster %s): warm start %s in %.3fs, %d blocks",
                 config.replica_id, _redact(config.url), config.cluster, report.source,
                 report.total_s, report.num_blocks)
@@ -103,8 +152,10 @@ def _redact(url: str) -> str:
 class StateCollector:
     """Prometheus metrics of the state backend, sampled at scrape time."""
 
-    def __init__(self, replica: RedisStateReplica) -> None:
+    def __init__(self, replica: RedisStateReplica,
+                 shared: Callable[[], SharedLoad | None] = lambda: None) -> None:
         self._replica = replica
+        self._shared = shared
 
     def describe(self) -> Iterable[Any]:
         return []
@@ -153,5 +204,20 @@ class StateCollector:
                                          h.dropped),
             "tokenspeed_state_takeovers": ("times this replica became the leader", h.takeovers),
         }
+        shared = self._shared()
+        if shared is not None:
+            s = shared.statistics()
+            gauges_load = {
+                "tokenspeed_state_load_peers": ("other live replicas sharing in-flight load", s.peers),
+                "tokenspeed_state_load_peer_requests": ("requests in flight on other replicas",
+                                                        s.peer_requests),
+                "tokenspeed_state_load_fallback": ("1 while routing on local load only (Redis down)",
+                                                   float(s.fallback)),
+            }
+            for name, (doc, value) in gauges_load.items():
+                yield GaugeMetricFamily(name, doc, value=float(value))
+            counters["tokenspeed_state_load_syncs"] = ("in-flight load syncs with Redis", s.syncs)
+            counters["tokenspeed_state_load_sync_errors"] = ("in-flight load syncs that failed",
+                                                             s.sync_errors)
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(value))

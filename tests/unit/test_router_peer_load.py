@@ -1,0 +1,79 @@
+"""Router with other replicas' in-flight load (``peer_load``), without Redis.
+
+The Redis side is tested in tests/integration/test_state_shared_load.py; here
+a plain in-memory PeerLoad checks how the router weighs it and when it tells
+the publisher that its own load changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from tokenspeed_router.router.router import Router, RouterConfig
+from tokenspeed_router.router.scoring import WorkerLoad
+
+
+class StaticPeers:
+    """Another replica's load, fixed by the test; counts change notifications."""
+
+    def __init__(self, loads: Mapping[str, WorkerLoad]) -> None:
+        self.loads = dict(loads)
+        self.changes = 0
+
+    def peers(self) -> Mapping[str, WorkerLoad]:
+        return self.loads
+
+    def changed(self) -> None:
+        self.changes += 1
+
+
+def _router(peers: StaticPeers | None, **config: object) -> Router:
+    router = Router(None, RouterConfig(**config), peer_load=peers)  # type: ignore[arg-type]
+    router.add_worker("w0")
+    router.add_worker("w1")
+    return router
+
+
+def test_peer_prefill_queue_steers_away_from_a_busy_worker() -> None:
+    prompt = list(range(1000))
+    assert _router(None).route(prompt).worker == "w0"  # idle cluster: first by name
+    peers = StaticPeers({"w0": WorkerLoad(1, 800, 800)})
+    assert _router(peers).route(prompt).worker == "w1"
+
+
+def test_peer_requests_break_ties_like_local_ones() -> None:
+    # request_weight 0: costs tie, the tie-break counts requests of every replica
+    peers = StaticPeers({"w0": WorkerLoad(3, 0, 0)})
+    router = _router(peers, queue_weight=0.0, decode_weight=0.0)
+    assert router.route(list(range(100))).worker == "w1"
+
+
+def test_load_provider_answers_are_not_doubled_by_peer_load() -> None:
+    peers = StaticPeers({"w0": WorkerLoad(5, 10_000, 10_000)})
+    router = Router(None, RouterConfig(), peer_load=peers,
+                    load_provider=lambda name: WorkerLoad(0, 0, 0))
+    router.add_worker("w0")
+    router.add_worker("w1")
+    # the provider's view is the worker's whole load: w0 is idle by it, so first by name wins
+    assert router.route(list(range(100))).worker == "w0"
+
+
+def test_every_local_load_change_is_announced() -> None:
+    peers = StaticPeers({})
+    t = [0.0]
+    router = Router(None, RouterConfig(inflight_timeout_s=10.0), clock=lambda: t[0], peer_load=peers)
+    router.add_worker("w0")
+    router.route(list(range(64)), request_id="a")
+    assert peers.changes == 1
+    router.mark_prefill_done("a")
+    assert peers.changes == 2
+    router.release("a")
+    assert peers.changes == 3
+    router.route(list(range(64)), request_id="b")
+    t[0] = 11.0  # b expires on the next call
+    assert router.load()["w0"].active_requests == 0
+    assert peers.changes == 5
+    assert router.release("unknown") is False and peers.changes == 5
+    router.set_peer_load(None)
+    router.route(list(range(64)))
+    assert peers.changes == 5 and router.peer_load is None

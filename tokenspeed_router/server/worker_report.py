@@ -1,0 +1,111 @@
+"""What ``GET /workers`` and the per-worker Prometheus samples say about each worker.
+
+One job: turn the service's state (registry, ingestion statuses, router load,
+index counts, subscriber statistics) into the reported shapes. Pure
+functions over values the caller read under its lock, so the shape of the
+answer lives in one place and the locking in another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tokenspeed_router.router.index import KvIndex
+from tokenspeed_router.router.ingest import WorkerStatus
+from tokenspeed_router.router.router import WorkerRole
+from tokenspeed_router.server.metrics import WorkerSample
+from tokenspeed_router.server.workers import WorkerRegistry
+
+__all__ = ["worker_entries", "worker_samples"]
+
+
+def worker_entries(
+    registry: WorkerRegistry,
+    index: KvIndex,
+    statuses: Mapping[str, WorkerStatus],
+    load: Mapping[str, Any],
+    stats: Mapping[str, Any],
+    connected: Mapping[str, Any],
+    now: float,
+    *,
+    peers: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``GET /workers``: ``{name: info}`` per stream, at the top level (DESIGN §6).
+
+    ``info`` holds role, state, blocks held (``blocks``, also as
+    ``blocks_held``), last seq, events applied and lag (``lag_s``: seconds
+    since the worker's last batch timestamp, also as ``lag``), plus
+    counters and endpoints. ``peers``: other router replicas' in-flight load
+    per worker (shared load), reported as ``in_flight_peers``.
+    """
+    peers = peers or {}
+    out: dict[str, Any] = {}
+    for name in registry.names(statuses):
+        st = statuses.get(name)
+        sub = registry.streams.get(name)
+        wl = load.get(name)
+        blocks = index.num_blocks(name)
+        lag = (now - st.last_batch_ts) if st is not None and st.last_batch_ts else None
+        out[name] = {
+            "worker": sub.worker if sub is not None else name,
+            "dp_rank": sub.dp_rank if sub is not None else None,
+            "role": registry.roles.get(name, sub.role if sub is not None else WorkerRole.BOTH).value,
+            "state": st.state.value if st is not None else "live",
+            "blocks": blocks,
+            "blocks_held": blocks,
+            "blocks_by_tier": index.blocks_by_tier(name),
+            "block_size": index.block_size_of(name),
+            "last_seq": st.last_seq if st is not None else None,
+            "epoch": st.epoch if st is not None else 0,
+            "batches_applied": st.batches_applied if st is not None else 0,
+            "events_applied": st.events_applied if st is not None else 0,
+            "events_rejected": st.events_rejected if st is not None else 0,
+            "resyncs": st.resyncs if st is not None else 0,
+            "restarts": st.restarts if st is not None else 0,
+            "replayed_batches": registry.replayed.get(name, 0),
+            "gaps": stats[name].gaps if name in stats else 0,
+            "malformed_frames": stats[name].malformed_total if name in stats else 0,
+            "duplicates": stats[name].duplicates if name in stats else 0,
+            "lag_s": lag,
+            "lag": lag,
+            "ingest_delay_s": st.lag_s if st is not None else None,
+            "in_flight": getattr(wl, "active_requests", 0) if wl is not None else 0,
+            # requests other router replicas have in flight there (shared load)
+            "in_flight_peers": peers[name].active_requests if name in peers else 0,
+            "connected": connected.get(name),
+            "events_endpoint": sub.events if sub is not None else None,
+            "replay_endpoint": sub.replay if sub is not None else None,
+        }
+    return out
+
+
+def worker_samples(
+    registry: WorkerRegistry,
+    index: KvIndex,
+    statuses: Mapping[str, WorkerStatus],
+    stats: Mapping[str, Any],
+    now: float,
+) -> list[WorkerSample]:
+    """One Prometheus sample per worker the ingestor knows (``/metrics``)."""
+    return [
+        WorkerSample(
+            name=name,
+            role=registry.roles.get(name, WorkerRole.BOTH).value,
+            state=st.state.value,
+            batches_applied=st.batches_applied,
+            events_applied=st.events_applied,
+            events_rejected=st.events_rejected,
+            resyncs=st.resyncs,
+            restarts=st.restarts,
+            replayed_batches=registry.replayed.get(name, 0),
+            gaps=stats[name].gaps if name in stats else st.resyncs,
+            replay_requests=stats[name].replay_requests if name in stats else 0,
+            replay_timeouts=stats[name].replay_timeouts if name in stats else 0,
+            malformed=stats[name].malformed_total if name in stats else 0,
+            duplicates=stats[name].duplicates if name in stats else 0,
+            lag_s=(now - st.last_batch_ts) if st.last_batch_ts else None,
+            blocks_by_tier=index.blocks_by_tier(name),
+        )
+        for name, st in statuses.items()
+    ]
