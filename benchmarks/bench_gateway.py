@@ -82,12 +82,17 @@ def _bodies(prompts: list[list[int]], text: bool) -> list[bytes]:
 class Proc:
     """A subprocess whose stderr goes to a file (shown when it fails)."""
 
-    def __init__(self, name: str, argv: list[str], workdir: Path, *, stdout_pipe: bool = False) -> None:
+    def __init__(self, name: str, argv: list[str], workdir: Path, *, stdout_pipe: bool = False,
+                 src: Path | None = None) -> None:
         self.name = name
         self.log = workdir / f"{name}.log"
         self._log = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE if stdout_pipe else subprocess.DEVNULL,
-                                     stderr=self._log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if src is not None:  # another checkout's tokenspeed_router (same venv): --compare-src
+            env["PYTHONPATH"] = str(src)
+        self.proc = subprocess.Popen(argv, cwd=src or REPO,
+                                     stdout=subprocess.PIPE if stdout_pipe else subprocess.DEVNULL,
+                                     stderr=self._log, env=env)
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-2000:]
@@ -130,13 +135,14 @@ def _wait_http(url: str, proc: Proc, timeout_s: float = 60.0) -> None:
     raise RuntimeError(f"{proc.name} did not answer {url}: {proc.tail()}")
 
 
-def _serve(workdir: Path, engines: list[dict[str, Any]]) -> tuple[Proc, int]:
+def _serve(workdir: Path, engines: list[dict[str, Any]], src: Path | None = None,
+           name: str = "serve") -> tuple[Proc, int]:
     port = _free_port()
     argv = [sys.executable, "-m", "tokenspeed_router.cli", "--log-level", "WARNING", "serve",
             "--http", f"127.0.0.1:{port}"]
     for i, e in enumerate(engines):
         argv += ["--worker", f"name=w{i},url={e['url']},events={e['events'][0]},replay={e['replay'][0]}"]
-    p = Proc("serve", argv, workdir)
+    p = Proc(name, argv, workdir, src=src)
     _wait_http(f"http://127.0.0.1:{port}/health", p)
     return p, port
 
@@ -294,6 +300,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="3 s phases")
     parser.add_argument("--no-peer", action="store_true", help="skip vllm-router even if installed")
     parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
+    parser.add_argument("--compare-src", metavar="DIR", type=Path,
+                        help="also measure a second gateway run from DIR's tokenspeed_router (for example "
+                             "`git archive main tokenspeed_router | tar -x -C DIR`, plus the built _native "
+                             "module): before/after figures in one run, as 'gateway_before'")
     args = parser.parse_args()
     duration = 3.0 if args.quick else args.duration_s
     procs: list[Proc] = []
@@ -308,6 +318,10 @@ def main() -> int:
                 engines.append(info)
             serve, gw_port = _serve(workdir, engines)
             procs.append(serve)
+            before = None
+            if args.compare_src is not None:
+                before = _serve(workdir, engines, args.compare_src.resolve(), "serve-before")
+                procs.append(before[0])
             peer = None if args.no_peer else _vllm_router(workdir, engines)
             if peer is not None:
                 procs.append(peer[0])
@@ -318,6 +332,9 @@ def main() -> int:
             e0, gw_pid = procs[0].proc.pid, serve.proc.pid
             targets = {"engine": (engine_port, ids, e0), "gateway": (gw_port, ids, gw_pid),
                        "gateway_text": (gw_port, text, gw_pid)}
+            if before is not None:
+                fixed_rate(before[1], ids, args.rate, 1.0)
+                targets["gateway_before"] = (before[1], ids, before[0].proc.pid)
             if peer is not None:
                 fixed_rate(peer[1], ids, args.rate, 1.0)
                 targets["vllm_router"] = (peer[1], ids, peer[0].proc.pid)
@@ -329,6 +346,9 @@ def main() -> int:
                 "engine": saturate(engine_port, ids, args.conns, duration),
                 "gateway": saturate(gw_port, ids, args.conns, duration),
             }
+            if before is not None:
+                throughput["gateway_before"] = saturate(before[1], ids, args.conns, duration)
+                results["overhead_p50_before_ms"] = latency["gateway_before"]["p50_ms"] - latency["engine"]["p50_ms"]
             if peer is not None:
                 throughput["vllm_router"] = saturate(peer[1], ids, args.conns, duration)
                 results["vllm_router_policy"] = peer[2]
@@ -350,6 +370,10 @@ def _print(r: dict[str, Any]) -> None:
               f"{row['cpu_us_per_request']:>12.0f}")
     print(f"gateway overhead p50: {r['overhead_p50_ms']:.2f} ms (token ids), "
           f"{r['overhead_p50_text_ms']:.2f} ms (text: + /tokenize round trip)")
+    if "overhead_p50_before_ms" in r:
+        print(f"gateway_before overhead p50: {r['overhead_p50_before_ms']:.2f} ms (--compare-src)")
+    if "vllm_router" in r["latency"]:
+        print(f"vllm_router overhead p50: {r['latency']['vllm_router']['p50_ms'] - r['latency']['engine']['p50_ms']:.2f} ms")
     print(f"\nsaturation (wrk, {r['throughput']['engine'].get('conns', '?')} connections)")
     print(f"{'target':<14}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'errors':>8}{'x engine':>10}")
     base = r["throughput"]["engine"]["req_per_s"]

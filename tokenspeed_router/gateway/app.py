@@ -175,8 +175,15 @@ class Gateway:
         await self._serve(req, headers, receive, send)
 
     async def _serve(self, req: ParsedRequest, headers: dict[str, str], receive: Receive, send: Send) -> None:
-        """Run the proxy, cancelling it if the client disconnects first."""
-        sent = finished = False
+        """Run the proxy in this task, cancelling it if the client disconnects first.
+
+        One watcher task listens for the disconnect and cancels this one; the
+        proxy itself runs inline (no second task, no ``asyncio.wait``: this is
+        on every request's path).
+        """
+        sent = finished = over = gone = False
+        me = asyncio.current_task()
+        assert me is not None
 
         async def tracked(message: dict[str, Any]) -> None:
             nonlocal sent, finished
@@ -185,31 +192,32 @@ class Gateway:
                 finished = True  # from here on, a "disconnect" is just the answer being complete
             await send(message)
 
-        async def answer() -> None:
+        async def watch() -> None:
+            nonlocal gone
+            await _wait_disconnect(receive)
+            if not finished and not over:
+                gone = True
+                me.cancel()  # the client went away: cancel the upstream call, release at once
+
+        watcher = asyncio.ensure_future(watch())
+        try:
             tokens = await self.proxy.token_ids(req)
             await self.proxy.handle(req, tokens, tracked, headers)
-
-        work = asyncio.ensure_future(answer())
-        watch = asyncio.ensure_future(_wait_disconnect(receive))
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if finished and not work.done():
-                await asyncio.wait({work})  # answered in full: let it finish its bookkeeping
+        except asyncio.CancelledError:
+            if not gone:
+                raise  # we are being cancelled ourselves (shutdown)
+            uncancel = getattr(me, "uncancel", None)  # Python 3.11+: the task is not "being cancelled" any more
+            if uncancel is not None:
+                uncancel()
+            self.proxy.stats.disconnects += 1
+            logger.debug("client disconnected: request cancelled")
+        except Exception as err:
+            if not sent:
+                raise  # OpenAIError -> its answer; anything else -> a logged 500
+            logger.error("gateway request failed after its answer started: %r", err)
         finally:
-            watch.cancel()
-            if not work.done():
-                work.cancel()  # the client went away (or we are being cancelled ourselves)
-                self.proxy.stats.disconnects += 1
-                logger.debug("client disconnected: request cancelled")
-            await asyncio.wait({work, watch})
-        if work.cancelled():
-            return
-        err = work.exception()
-        if err is None:
-            return
-        if not sent:
-            raise err  # OpenAIError -> its answer; anything else -> a logged 500
-        logger.error("gateway request failed after its answer started: %r", err)
+            over = True
+            watcher.cancel()
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = self._check(scope)

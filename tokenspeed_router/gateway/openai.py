@@ -67,6 +67,8 @@ class ParsedRequest:
     model: str | None
     token_ids: list[int] | None = None
     text: str | None = None
+    #: the body as the client sent it: forwarded as is when nothing is added (no re-encoding)
+    raw: bytes | None = None
 
     @property
     def path(self) -> str:
@@ -134,7 +136,7 @@ def parse_completion(raw: bytes, *, max_tokens: int) -> ParsedRequest:
         raise OpenAIError(400, "missing required parameter 'prompt'", param="prompt",
                           code="missing_required_parameter")
     prompt = body["prompt"]
-    parsed = ParsedRequest("completions", body, stream, model)
+    parsed = ParsedRequest("completions", body, stream, model, raw=raw)
     first: Any = prompt
     if isinstance(prompt, list):
         if not prompt:
@@ -178,4 +180,4 @@ def parse_chat(raw: bytes, *, max_tokens: int) -> ParsedRequest:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise OpenAIError(400, f"'messages[{i}]' must be an object with a string 'role'",
                               param=f"messages[{i}]", code="invalid_type")
-    return ParsedRequest("chat", body, stream, model)
+    return ParsedRequest("chat", body, stream, model, raw=raw)

@@ -20,6 +20,7 @@ A timeout is a 504, not a retry: a slow engine is busy, not gone.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -46,6 +47,15 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 _decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 _JSON = b"application/json"
+
+
+class _UsageOnly(msgspec.Struct):
+    """An answer's ``usage`` (msgspec skips every other field without building it)."""
+
+    usage: Any = None
+
+
+_usage_decoder = msgspec.json.Decoder(_UsageOnly)
 #: what a failing engine connection can raise
 _TRANSPORT = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
@@ -109,6 +119,10 @@ class Proxy:
         self.stats = GatewayStats()
         self._turn = 0
         self._warned_tokenize = False
+        # request ids: unique per process by the counter, across gateway replicas sharing a state
+        # backend by the random prefix (uuid4 per request cost a urandom syscall on the hot path)
+        self._id_prefix = f"gw-{uuid.uuid4().hex[:16]}-"
+        self._ids = itertools.count()
 
     # --- token ids -----------------------------------------------------------------
 
@@ -170,7 +184,7 @@ class Proxy:
     async def handle(self, req: ParsedRequest, tokens: list[int], send: Send,
                      headers: dict[str, str]) -> None:
         """Answer ``req`` on ``send``; raises :class:`OpenAIError` before anything is sent."""
-        request_id = f"gw-{uuid.uuid4().hex}"
+        request_id = f"{self._id_prefix}{next(self._ids)}"
         attempts = 0
         dropped = False  # a connection already dropped before answering for this request
         try:
@@ -215,7 +229,7 @@ class Proxy:
         body.pop("stream_options", None)
         body["kv_transfer_params"] = {"do_remote_decode": True}
         site = plan.site
-        resp = await self._open(site, req.path, body, headers, "prefill worker")
+        resp = await self._open(site, req.path, _encoder.encode(body), headers, "prefill worker")
         try:
             content = await resp.read()
         except _TRANSPORT as err:
@@ -248,14 +262,19 @@ class Proxy:
     async def _one_leg(self, req: ParsedRequest, tokens: list[int], plan: _Plan, target: Target,
                        body: dict[str, Any], send: Send, headers: dict[str, str], *, observe: bool,
                        extra: list[tuple[bytes, bytes]] | None) -> None:
-        strip = False
-        if req.stream and not req.client_wants_usage():
-            body = dict(body)
-            opts = dict(body.get("stream_options") or {})
-            opts["include_usage"] = True
-            body["stream_options"] = opts
-            strip = True
-        resp = await self._open(target, req.path, body, headers, "worker")
+        strip = req.stream and not req.client_wants_usage()
+        data: bytes | None = None
+        if body is req.body and req.raw is not None:
+            # the client's own bytes: no re-encoding (the common case costs one decode, no encode)
+            data = _with_usage(req.raw, body) if strip else req.raw
+        if data is None:
+            if strip:
+                body = dict(body)
+                opts = dict(body.get("stream_options") or {})
+                opts["include_usage"] = True
+                body["stream_options"] = opts
+            data = _encoder.encode(body)
+        resp = await self._open(target, req.path, data, headers, "worker")
         worker_headers = [(b"x-tokenspeed-worker", target.stream.encode()), *(extra or [])]
         done = False
         try:
@@ -280,12 +299,12 @@ class Proxy:
             else:
                 resp.close()
 
-    async def _open(self, target: Target, path: str, body: dict[str, Any], headers: dict[str, str],
+    async def _open(self, target: Target, path: str, data: bytes, headers: dict[str, str],
                     what: str) -> aiohttp.ClientResponse:
-        """POST ``body`` to ``target`` and wait for the answer's head."""
+        """POST the JSON ``data`` to ``target`` and wait for the answer's head."""
         try:
             return await self._up.client().post(
-                target.url + path, data=_encoder.encode(body),
+                target.url + path, data=data,
                 headers={"content-type": "application/json", **headers, **target.headers()})
         except _TRANSPORT as err:
             raise _before_first_byte(target, err, what) from err
@@ -335,11 +354,10 @@ class Proxy:
         if b'"usage"' not in content:
             return
         try:
-            answer = _decoder.decode(content)
-        except msgspec.DecodeError:
+            answer = _usage_decoder.decode(content)
+        except msgspec.DecodeError:  # ValidationError (not an object) included
             return
-        if isinstance(answer, dict):
-            self._learn(stream, plan, tokens, answer.get("usage"))
+        self._learn(stream, plan, tokens, answer.usage)
 
     def _learn(self, stream: str, plan: _Plan, tokens: list[int], usage: Any) -> None:
         """Compare the engine's reported reuse with the index's prediction for ``stream``."""
@@ -370,6 +388,24 @@ class Proxy:
         if after:
             sample = TruthSample(predicted, reported, bs, cap_prediction(after, n, bs))
         self._truth.observe(stream, sample)
+
+
+_WITH_USAGE = b'{"stream_options":{"include_usage":true},'
+
+
+def _with_usage(raw: bytes, body: dict[str, Any]) -> bytes | None:
+    """``raw`` with ``stream_options.include_usage`` added by a byte patch, or None to re-encode.
+
+    Patchable when the client sent no ``stream_options`` at all (else its
+    object must be merged): the key goes first, ahead of the body's own. The
+    body is a non-empty object here (``prompt`` or ``messages`` is required).
+    """
+    if "stream_options" in body:
+        return None
+    text = raw.lstrip()
+    if not text.startswith(b"{"):
+        return None
+    return _WITH_USAGE + text[1:]
 
 
 def _content_type(resp: aiohttp.ClientResponse) -> bytes:

@@ -89,6 +89,8 @@ class Upstreams:
                                               connect=c.upstream_connect_timeout_s,
                                               sock_read=c.upstream_timeout_s),
                 auto_decompress=False,  # bytes are relayed as the engine sent them
+                # ... so never invite a compressed answer (its Content-Encoding is not relayed)
+                skip_auto_headers=("Accept-Encoding",),
             )
         return self._client
 

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import socket
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -269,6 +269,87 @@ def bind_socket(address: HostPort) -> socket.socket:
     return sock
 
 
+class _CoalescingTransport:
+    """A transport whose writes of one event-loop turn go out as one ``write``.
+
+    uvicorn writes an answer's head as soon as ``http.response.start`` is sent
+    and its body on the next ``send``: two syscalls, two loopback segments and
+    two wake-ups of the client per answer. Here both are joined and written
+    once, when the turn that produced them is over (``call_soon``). Everything
+    but ``write`` and ``close`` is the real transport's.
+    """
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending and not self._transport.is_closing():
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def close(self) -> None:
+        self._flush()  # uvicorn closes right after the last write of a non-keep-alive answer
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def _http_protocol() -> Any:
+    """uvicorn's httptools protocol writing through :class:`_CoalescingTransport` ("auto" without httptools)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return "auto"
+
+    class CoalescingHttpToolsProtocol(HttpToolsProtocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            coalescing = _CoalescingTransport(transport, self.loop)  # type: ignore[arg-type]
+            super().connection_made(coalescing)  # type: ignore[arg-type]
+
+    return CoalescingHttpToolsProtocol
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop when installed, asyncio's otherwise.
+
+    uvicorn picks uvloop only in ``uvicorn.run``/``Server.run``; we drive
+    ``Server.serve`` in a loop of our own, so the choice is ours to make (and
+    ``asyncio.run`` alone always gave the slower stock loop).
+    """
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def _run_in_new_loop(main: Coroutine[Any, Any, None]) -> None:
+    """``asyncio.run(main)`` on :func:`_new_event_loop` (``asyncio.Runner`` needs Python 3.11)."""
+    loop = _new_event_loop()
+    try:
+        loop.run_until_complete(main)
+    finally:
+        try:
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
 class HttpServer:
     """uvicorn serving :func:`create_app` on a socket bound at construction.
 
@@ -295,6 +376,7 @@ class HttpServer:
             log_level="warning",
             access_log=False,
             lifespan="off",
+            http=_http_protocol(),  # httptools (a dependency), one write per answer
             server_header=False,
             date_header=False,
             timeout_keep_alive=30,
@@ -325,7 +407,7 @@ class HttpServer:
                 await self._app.state.gateway.aclose()
 
         try:
-            asyncio.run(main())
+            _run_in_new_loop(main())
         finally:
             self._sock.close()
 

@@ -1,0 +1,52 @@
+"""The gateway's per-request shortcuts keep the bytes an engine and a client see right."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+from tokenspeed_router.gateway.openai import parse_chat, parse_completion
+from tokenspeed_router.gateway.proxy import _with_usage
+from tokenspeed_router.server.http import _CoalescingTransport, _new_event_loop
+
+
+def test_usage_patch_adds_include_usage_and_keeps_every_field() -> None:
+    raw = b'  {"prompt": [1, 2, 3], "stream": true, "x_unknown": {"a": [1]}, "max_tokens": 4}'
+    req = parse_completion(raw, max_tokens=100)
+    patched = _with_usage(raw, req.body)
+    assert patched is not None
+    assert json.loads(patched) == {**json.loads(raw), "stream_options": {"include_usage": True}}
+
+
+def test_usage_patch_declines_when_the_client_sent_stream_options() -> None:
+    raw = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": {}}'
+    req = parse_chat(raw, max_tokens=100)
+    assert _with_usage(raw, req.body) is None  # merged and re-encoded by the proxy instead
+    assert req.raw == raw  # forwarded as is when nothing is added
+
+
+def test_coalescing_transport_joins_one_turn_and_flushes_before_close() -> None:
+    """Writes of one loop turn arrive together and in order; close() loses nothing pending."""
+    a, b = socket.socketpair()
+    loop = _new_event_loop()
+    try:
+        async def main() -> bytes:
+            transport, _ = await loop.create_connection(asyncio.Protocol, sock=a)
+            wrapped = _CoalescingTransport(transport, loop)  # type: ignore[arg-type]
+            wrapped.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
+            wrapped.write(b"")
+            wrapped.write(b"ok")
+            assert not wrapped.is_closing()  # everything else is the real transport's
+            wrapped.close()  # in the same turn: the pending bytes must still go out
+            b.setblocking(False)
+            reader, writer = await asyncio.open_connection(sock=b)
+            try:
+                return await asyncio.wait_for(reader.read(), timeout=10)
+            finally:
+                writer.close()
+                await writer.wait_closed()
+
+        assert loop.run_until_complete(main()) == b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    finally:
+        loop.close()
