@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("tokenspeed_router.server.cli_inspect", "summarise an event log or a live router"),
     "simulate": ("tokenspeed_router.sim.cli_simulate", "trace-driven evaluation of routing policies"),
     "bench": ("tokenspeed_router.router.bench", "benchmark ingestion, matching and routing"),
+    "loadgen": ("tokenspeed_router.loadgen.cli_loadgen",
+                "replay a Mooncake trace against an OpenAI endpoint (TTFT, hit ratio, spread)"),
 }
 
 

@@ -32,6 +32,7 @@ from tokenspeed_router.sim.cluster import RunResult
 __all__ = [
     "POLICY_ORDER",
     "format_table",
+    "percentile",
     "policy_metrics",
     "results_document",
     "write_plots",
@@ -42,11 +43,15 @@ __all__ = [
 POLICY_ORDER = ("random", "round_robin", "least_loaded", "approx", "kv_aware", "oracle")
 
 
-def _pct(values: np.ndarray, q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
-    if values.size == 0:
+def percentile(values: np.ndarray | Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no values.
+
+    Shared by the simulator's reports and ``loadgen`` so that both define a
+    p99 the same way.
+    """
+    s = np.sort(np.asarray(values, dtype=np.float64))
+    if s.size == 0:
         return math.nan
-    s = np.sort(values)
     k = max(0, min(s.size - 1, math.ceil(q / 100.0 * s.size) - 1))
     return float(s[k])
 
@@ -60,12 +65,12 @@ def policy_metrics(run: RunResult, *, slo_s: Sequence[float] = (2.0, 10.0)) -> d
     out: dict[str, Any] = {
         "requests": int(run.ttft_s.size),
         "hit_ratio": float(run.hit_tokens.sum() / total) if total else 0.0,
-        "ttft_p50_s": _pct(run.ttft_s, 50),
-        "ttft_p90_s": _pct(run.ttft_s, 90),
-        "ttft_p99_s": _pct(run.ttft_s, 99),
+        "ttft_p50_s": percentile(run.ttft_s, 50),
+        "ttft_p90_s": percentile(run.ttft_s, 90),
+        "ttft_p99_s": percentile(run.ttft_s, 99),
         "ttft_mean_s": float(run.ttft_s.mean()) if run.ttft_s.size else math.nan,
-        "queue_p50_s": _pct(run.queue_s, 50),
-        "queue_p99_s": _pct(run.queue_s, 99),
+        "queue_p50_s": percentile(run.queue_s, 50),
+        "queue_p99_s": percentile(run.queue_s, 99),
         "queue_mean_s": float(run.queue_s.mean()) if run.queue_s.size else math.nan,
         "load_imbalance": float(pool.max() / busy_mean) if busy_mean else 0.0,
         "busy_s_per_worker": [round(float(b), 3) for b in run.busy_s],
