@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tokenspeed_router.errors import ConfigError
-from tokenspeed_router.loadgen import PromptBuilder, PromptConfig, completions_url
+from tokenspeed_router.loadgen import PromptBuilder, PromptConfig, completions_url, scale_prompts
 from tokenspeed_router.sim.traces import TraceWindow, parse_mooncake
 
 
@@ -99,3 +99,18 @@ def test_bad_config_is_refused() -> None:
 def test_completions_url_accepts_base_and_full_paths() -> None:
     for target in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/completions"):
         assert completions_url(target) == "http://h:1/v1/completions"
+
+
+def test_scale_prompts_keeps_sharing_with_smaller_blocks() -> None:
+    reqs = parse_mooncake([_line(0, 1024, [0, 1]), _line(1, 1100, [0, 1, 2]), _line(2, 513, [0, 3])])
+    small = scale_prompts(reqs, 0.125)
+    assert [r.block_tokens for r in small] == [64, 64, 64]
+    assert [r.input_length for r in small] == [128, 128 + 10, 64 + 1]  # 76/8 -> 10, 1/8 -> 1
+    builder = PromptBuilder(PromptConfig(model="m"))
+    a, b, c = (builder.token_ids(r) for r in small)
+    assert np.array_equal(b[:128], a) and np.array_equal(c[:64], a[:64])
+    assert scale_prompts(reqs, 1.0) == reqs
+    with pytest.raises(ConfigError, match="whole number"):
+        scale_prompts(reqs, 0.3)
+    with pytest.raises(ConfigError):
+        scale_prompts(reqs, 0.0)

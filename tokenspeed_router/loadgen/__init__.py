@@ -8,7 +8,12 @@ workers. No torch: it runs beside a router, not an engine.
 """
 
 from tokenspeed_router.loadgen.client import RequestRecord, send_request
-from tokenspeed_router.loadgen.prompts import PromptBuilder, PromptConfig, PromptFormat
+from tokenspeed_router.loadgen.prompts import (
+    PromptBuilder,
+    PromptConfig,
+    PromptFormat,
+    scale_prompts,
+)
 from tokenspeed_router.loadgen.replay import (
     ReplayConfig,
     ReplayOutcome,
@@ -31,6 +36,7 @@ __all__ = [
     "format_runs_table",
     "replay",
     "replay_async",
+    "scale_prompts",
     "send_request",
     "summarize",
     "write_plots",

@@ -15,7 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from tokenspeed_router.errors import ConfigError
-from tokenspeed_router.loadgen.prompts import PromptBuilder, PromptConfig, PromptFormat
+from tokenspeed_router.loadgen.prompts import (
+    PromptBuilder,
+    PromptConfig,
+    PromptFormat,
+    scale_prompts,
+)
 from tokenspeed_router.loadgen.replay import ReplayConfig, ReplayOutcome, discover_model, replay
 from tokenspeed_router.loadgen.report import (
     format_runs_table,
@@ -50,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "maps them back), for routers that only read text (default tokens)")
     parser.add_argument("--tokens-per-hash-id", type=int, default=512,
                         help="prompt tokens covered by one trace hash id (Mooncake: 512)")
+    parser.add_argument("--scale-prompts", type=float, default=1.0, metavar="F",
+                        help="each hash id covers F times as many tokens (0.125: 512 -> 64); same "
+                             "prefix sharing, F times less data to move (default 1)")
     parser.add_argument("--max-output-tokens", type=int, default=None,
                         help="cap each request's max_tokens (default: the trace's output_length)")
     parser.add_argument("--no-ignore-eos", action="store_true",
@@ -78,6 +86,8 @@ def results_document(
 
 
 def run(args: argparse.Namespace) -> int:
+    # One line per request at INFO would drown the progress line.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.time_scale <= 0:
         raise ConfigError(f"--time-scale must be > 0, got {args.time_scale}")
     if args.tokens_per_hash_id <= 0:
@@ -90,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if not requests:
         raise ConfigError(f"{args.trace}: no requests in the chosen window")
+    if args.scale_prompts != 1.0:
+        requests = scale_prompts(requests, args.scale_prompts)
     replay_config = ReplayConfig(target=args.target, timeout_s=args.timeout_s,
                                  max_connections=args.max_connections)
     model = args.model or discover_model(replay_config)
@@ -112,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         "trace": str(args.trace), "target": args.target, "label": label, "model": model,
         "time_scale": args.time_scale, "limit": args.limit, "start_s": args.start_s,
         "duration_s": args.duration_s, "prompt_format": builder.config.prompt_format.value,
-        "tokens_per_hash_id": args.tokens_per_hash_id, "max_output_tokens": args.max_output_tokens,
+        "tokens_per_hash_id": args.tokens_per_hash_id, "scale_prompts": args.scale_prompts, "max_output_tokens": args.max_output_tokens,
         "ignore_eos": builder.config.ignore_eos, "token_key": args.token_key,
     }
     path = write_results(results_document(outcome, summary, config=config, trace_stats=stats), out_dir)

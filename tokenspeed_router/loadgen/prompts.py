@@ -18,6 +18,12 @@ Two prompt formats:
   (sglang-router's ``cache_aware``) sees a shared text prefix too. A real
   model's tokenizer would not give these ids back: ``text`` is for engine-sim.
 
+:func:`scale_prompts` shrinks every hash id to fewer tokens (``0.125``: 512
+-> 64), input lengths alike: the sharing structure is unchanged while every
+process moves 8x fewer token ids, which lets a 2-core machine replay a trace
+at a rate where routing matters. Scale the engines' cache capacity and
+prefill rate by the same factor and the modelled timings are unchanged.
+
 ``max_tokens`` is the trace's ``output_length`` (at least 1; optionally
 capped), ``ignore_eos`` asks vLLM-style engines to generate exactly that many
 tokens, and ``stream_options.include_usage`` makes the engine report
@@ -27,7 +33,9 @@ tokens, and ``stream_options.include_usage`` makes the engine report
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import msgspec
 import numpy as np
@@ -35,7 +43,7 @@ import numpy as np
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.sim.traces import TokenSynthesizer, TraceRequest
 
-__all__ = ["PromptBuilder", "PromptConfig", "PromptFormat"]
+__all__ = ["PromptBuilder", "PromptConfig", "PromptFormat", "scale_prompts"]
 
 
 class PromptFormat(str, enum.Enum):
@@ -103,3 +111,26 @@ class PromptBuilder:
     def encode(self, request: TraceRequest) -> bytes:
         """The body as JSON bytes, ready to send."""
         return self._encoder.encode(self.body(request))
+
+
+def scale_prompts(requests: Sequence[TraceRequest], factor: float) -> list[TraceRequest]:
+    """Requests whose hash ids cover ``factor`` times as many tokens.
+
+    ``block_tokens * factor`` must be a whole number (512 * 0.125 = 64), so
+    block boundaries stay where they were; each last (partial) block keeps its
+    share, rounded up (at least one token).
+    """
+    if not 0 < factor <= 1:
+        raise ConfigError(f"prompt scale must be in (0, 1], got {factor}")
+    out: list[TraceRequest] = []
+    for r in requests:
+        scaled = r.block_tokens * factor
+        block = round(scaled)
+        if block < 1 or abs(scaled - block) > 1e-9:
+            raise ConfigError(f"prompt scale {factor} turns {r.block_tokens}-token hash blocks into "
+                              f"{scaled:g} tokens; choose a factor that gives a whole number")
+        n = len(r.hash_ids)
+        last = min(block, max(1, math.ceil(r.block_length(n - 1) * factor))) if n else 0
+        length = (n - 1) * block + last if n else 0
+        out.append(replace(r, block_tokens=block, input_length=length))
+    return out
