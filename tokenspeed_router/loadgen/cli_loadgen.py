@@ -38,8 +38,9 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", type=Path, required=True, help="Mooncake-format .jsonl trace")
-    parser.add_argument("--target", required=True,
-                        help="OpenAI-compatible base URL (http://HOST:PORT), e.g. a router or an engine")
+    parser.add_argument("--target", required=True, action="append",
+                        help="OpenAI-compatible base URL (http://HOST:PORT), e.g. a router or an engine; "
+                             "repeat for router replicas (requests alternate between them)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="divide the trace's timestamps by K (default 1: real time)")
     parser.add_argument("--limit", type=int, default=None, help="send only the first N requests")
@@ -102,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.trace}: no requests in the chosen window")
     if args.scale_prompts != 1.0:
         requests = scale_prompts(requests, args.scale_prompts)
-    replay_config = ReplayConfig(target=args.target, timeout_s=args.timeout_s,
+    replay_config = ReplayConfig(target=args.target[0], extra_targets=tuple(args.target[1:]),
+                                 timeout_s=args.timeout_s,
                                  max_connections=args.max_connections)
     model = args.model or discover_model(replay_config)
     builder = PromptBuilder(PromptConfig(
@@ -110,9 +112,9 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=not args.no_ignore_eos, token_key=args.token_key,
     ))
     stats = trace_summary(requests)
-    label = args.label or args.target
+    label = args.label or ",".join(args.target)
     print(f"loadgen: {len(requests)} requests from {args.trace.name} over {stats['span_s']:.0f} s "
-          f"({stats['req_per_s']:.1f} req/s) -> {args.target} model {model!r}", file=sys.stderr)
+          f"({stats['req_per_s']:.1f} req/s) -> {label} model {model!r}", file=sys.stderr)
     bar = None
     if not args.quiet:
         bar = ProgressBar()
@@ -121,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(outcome.records, wall_s=outcome.wall_s)
     out_dir = args.out or Path(tempfile.gettempdir()) / "tokenspeed-router-loadgen"
     config = {
-        "trace": str(args.trace), "target": args.target, "label": label, "model": model,
+        "trace": str(args.trace), "targets": args.target, "label": label, "model": model,
         "time_scale": args.time_scale, "limit": args.limit, "start_s": args.start_s,
         "duration_s": args.duration_s, "prompt_format": builder.config.prompt_format.value,
         "tokens_per_hash_id": args.tokens_per_hash_id, "scale_prompts": args.scale_prompts, "max_output_tokens": args.max_output_tokens,

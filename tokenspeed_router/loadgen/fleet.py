@@ -97,7 +97,14 @@ class ManagedProcess:
         stdout = self.proc.stdout
         if stdout is None:
             return
-        for chunk in iter(lambda: stdout.read1(65536), b""):
+        fd = stdout.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # closed by stop()
+                return
+            if not chunk:
+                return
             try:
                 self._log.write(chunk)
                 self._log.flush()

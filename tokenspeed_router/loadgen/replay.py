@@ -42,20 +42,30 @@ Progress = Callable[[int, int, str], None]
 
 @dataclass(frozen=True, kw_only=True)
 class ReplayConfig:
-    """Where to send and how patiently."""
+    """Where to send and how patiently.
+
+    ``extra_targets``: more endpoints of the same service (router replicas);
+    request *i* goes to target ``i mod n``, so replicas split the traffic.
+    """
 
     target: str
+    extra_targets: tuple[str, ...] = ()
     timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
     max_connections: int = 1024
 
     def __post_init__(self) -> None:
-        if not self.target.startswith(("http://", "https://")):
-            raise ConfigError(f"target must be an http(s) URL, got {self.target!r}")
+        for target in self.targets:
+            if not target.startswith(("http://", "https://")):
+                raise ConfigError(f"target must be an http(s) URL, got {target!r}")
         if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ConfigError("timeouts must be > 0")
         if self.max_connections < 1:
             raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return (self.target, *self.extra_targets)
 
 
 @dataclass
@@ -112,7 +122,7 @@ async def replay_async(
 ) -> ReplayOutcome:
     """Send every request at its arrival time; wait for all; return the records."""
     loop = asyncio.get_running_loop()
-    url = completions_url(config.target)
+    urls = [completions_url(t) for t in config.targets]
     records: list[RequestRecord] = []
     tasks: list[asyncio.Task[RequestRecord]] = []
     done = errors = 0
@@ -139,7 +149,7 @@ async def replay_async(
                 await asyncio.sleep(delay)
             else:
                 lateness = max(lateness, -delay)
-            task = loop.create_task(send_request(client, url, body, record, start_t=start,
+            task = loop.create_task(send_request(client, urls[i % len(urls)], body, record, start_t=start,
                                                  stream=builder.config.stream))
             task.add_done_callback(finished)
             tasks.append(task)

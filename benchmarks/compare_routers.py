@@ -1,0 +1,280 @@
+"""Our gateway against real routers, in front of the same engine-sims (issue 12).
+
+Run: ``.venv/bin/python benchmarks/compare_routers.py [--quick] [--out DIR]``
+(peers: ``pip install vllm-router sglang-router`` into the venv; they are not
+project dependencies, and a router whose binary is missing is skipped with a
+note). See docs/compare-routers.md for what is measured and the last results.
+
+For each Mooncake trace (a time-scaled slice of both files in
+``../shared/traces/mooncake``), each scenario and each router, on a *fresh*
+fleet of engine-sims (cold caches, same seeds):
+
+* ``pressure`` — small caches: blocks are evicted all the time, so a router
+  must know what is still cached, not what it once sent;
+* ``restart``  — the same, and two engines restart mid-run (fresh cache,
+  event seq back to 0);
+* ``replicas`` — the same as ``pressure``, with two router processes and the
+  load generator alternating requests between them. Our two ``serve``
+  processes share state through Redis (``--state redis://``); the peers have
+  no shared state, so each replica sees half of the traffic.
+
+Routers: ``tokenspeed`` (``serve`` gateway, ``kv_aware``, token-id prompts),
+``vllm-router`` (``kv_aware``, the same KV events, token-id prompts) and
+``sglang-router`` (``smg launch --policy cache_aware``: an approximate tree on
+the prompt *text*, so it gets the same ids as digit words, which engine-sim
+tokenizes back to the same ids). ``--baseline`` adds our ``round_robin``.
+
+Prompts are shrunk 8x (hash block 512 -> 64 tokens) and the engines' cache
+and prefill rate with them (see ``tokenspeed_router/loadgen/prompts.py``);
+outputs are capped at 64 tokens. Latencies are wall-clock through real HTTP,
+with engines modelled at ``--time-scale`` times real speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tokenspeed_router.loadgen.client import RequestRecord
+from tokenspeed_router.loadgen.fleet import (
+    EngineHandle,
+    EngineSimOptions,
+    Fleet,
+    free_loopback_port,
+)
+from tokenspeed_router.loadgen.prompts import PromptBuilder, PromptConfig, scale_prompts
+from tokenspeed_router.loadgen.replay import ReplayConfig, replay
+from tokenspeed_router.loadgen.report import (
+    format_runs_table,
+    summarize,
+    write_plots,
+    write_results,
+)
+from tokenspeed_router.sim.runner import ProgressBar
+from tokenspeed_router.sim.traces import TraceRequest, TraceWindow, load_mooncake, trace_summary
+
+logger = logging.getLogger("compare_routers")
+
+SCENARIOS = ("pressure", "restart", "replicas")
+NUM_ENGINES = 4
+PROMPT_SCALE = 0.125
+MAX_OUTPUT_TOKENS = 64
+MODEL = "tokenspeed-sim"
+#: trace file -> (trace seconds to skip, arrival speed-up in modelled time)
+TRACES = {
+    "conversation": ("conversation_trace.jsonl", 0.0, 1.5),
+    "synthetic": ("synthetic_trace.jsonl", 0.0, 1.0),
+}
+
+
+def _shared_traces() -> Path:
+    here = Path(__file__).resolve().parents[1]
+    for base in (here.parent / "shared", here.parents[1] / "shared", Path("/work/shared")):
+        if (base / "traces" / "mooncake").is_dir():
+            return base / "traces" / "mooncake"
+    raise SystemExit("Mooncake traces not found (expected ../shared/traces/mooncake)")
+
+
+def _binary(name: str) -> str | None:
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else shutil.which(name)
+
+
+@dataclass(frozen=True)
+class RouterKind:
+    name: str
+    prompt_format: str
+    #: (fleet, engines, replica index, redis url or None) -> base URL
+    start: Callable[[Fleet, Sequence[EngineHandle], int, str | None], str]
+    available: Callable[[], str | None]  # None = available, else why not
+
+
+def _ours(policy: str) -> Callable[[Fleet, Sequence[EngineHandle], int, str | None], str]:
+    def start(fleet: Fleet, engines: Sequence[EngineHandle], replica: int, redis: str | None) -> str:
+        extra = ["--state", redis] if redis else []
+        return fleet.start_gateway(f"tokenspeed-{policy}-{replica}", engines, policy=policy, extra=extra)
+    return start
+
+
+def _vllm_router(fleet: Fleet, engines: Sequence[EngineHandle], replica: int, redis: str | None) -> str:
+    port = free_loopback_port()
+    cmd = [str(_binary("vllm-router")), "--host", "127.0.0.1", "--port", str(port),
+           "--worker-urls", *[e.url for e in engines], "--policy", "kv_aware",
+           "--kv-event-block-size", "16", "--kv-event-model", MODEL, "--log-level", "warning"]
+    for e in engines:
+        cmd += ["--kv-event-source", f"{e.url}={e.events}"]
+        if e.replay:
+            cmd += ["--kv-event-replay-source", f"{e.url}={e.replay}"]
+    proc = fleet.start(f"vllm-router-{replica}", cmd)
+    url = f"http://127.0.0.1:{port}"
+    fleet.wait_models(proc, url)
+    return url
+
+
+def _sglang_router(fleet: Fleet, engines: Sequence[EngineHandle], replica: int, redis: str | None) -> str:
+    port = free_loopback_port()
+    cmd = [str(_binary("smg")), "launch", "--host", "127.0.0.1", "--port", str(port),
+           "--worker-urls", *[e.url for e in engines], "--policy", "cache_aware",
+           "--log-level", "warn"]
+    proc = fleet.start(f"sglang-router-{replica}", cmd)
+    url = f"http://127.0.0.1:{port}"
+    fleet.wait_models(proc, url)
+    return url
+
+
+def _needs(binary: str) -> Callable[[], str | None]:
+    return lambda: None if _binary(binary) else f"{binary} not installed (pip install {binary})"
+
+
+ROUTERS = {
+    "tokenspeed": RouterKind("tokenspeed", "tokens", _ours("kv_aware"), lambda: None),
+    "vllm-router": RouterKind("vllm-router", "tokens", _vllm_router, _needs("vllm-router")),
+    "sglang-router": RouterKind("sglang-router", "text", _sglang_router, _needs("smg")),
+    "round_robin": RouterKind("round_robin", "tokens", _ours("round_robin"), lambda: None),
+}
+
+
+def _redis(fleet: Fleet) -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("the replicas scenario needs redis-server on PATH")
+    port = free_loopback_port()
+    proc = fleet.start("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", str(fleet.log_dir)])
+    import redis
+
+    client = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
+    deadline = time.monotonic() + 15
+    pause = threading.Event()
+    while True:
+        try:
+            if client.ping():
+                return f"redis://127.0.0.1:{port}/0"
+        except redis.ConnectionError:
+            if proc.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"redis-server did not start: {proc.log_tail()}") from None
+        pause.wait(0.05)
+
+
+def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *, time_scale: float,
+            log_dir: Path, progress: ProgressBar, python: str = sys.executable) -> tuple[dict[str, Any], list[RequestRecord]]:
+    engine = EngineSimOptions(capacity_tokens=25_000, prefill_tokens_per_s=2_500.0,
+                              decode_s_per_token=0.02, time_scale=time_scale, model=MODEL)
+    opts = [engine] * NUM_ENGINES
+    if scenario == "restart":
+        after = max(1, len(requests) // (3 * NUM_ENGINES))
+        opts[1] = replace(engine, restart_after_requests=after)
+        opts[2] = replace(engine, restart_after_requests=2 * after)
+    with Fleet(log_dir, python=python) as fleet:
+        engines = fleet.start_engines([f"engine{i}" for i in range(NUM_ENGINES)], opts)
+        redis = _redis(fleet) if scenario == "replicas" and kind.name in ("tokenspeed", "round_robin") else None
+        replicas = 2 if scenario == "replicas" else 1
+        urls = [kind.start(fleet, engines, i, redis) for i in range(replicas)]
+        builder = PromptBuilder(PromptConfig(model=MODEL, prompt_format=kind.prompt_format,
+                                             max_output_tokens=MAX_OUTPUT_TOKENS))
+        progress.start(f"{kind.name}/{scenario}")
+        outcome = replay(requests, builder, ReplayConfig(target=urls[0], extra_targets=tuple(urls[1:])),
+                         progress=progress)
+    summary = summarize(outcome.records, wall_s=outcome.wall_s)
+    summary["max_send_lateness_s"] = outcome.max_send_lateness_s
+    return summary, outcome.records
+
+
+def _check_targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Issue 12 targets for our row against the best peer in the same scenario."""
+    ours = rows.get("tokenspeed")
+    peers = {k: v for k, v in rows.items() if k in ("vllm-router", "sglang-router") and v.get("ok")}
+    if not ours or not peers:
+        return {}
+
+    def best(key: str, low: bool) -> float:
+        vals = [v[key] for v in peers.values() if v.get(key) is not None]
+        return min(vals) if low else max(vals)
+
+    out = {
+        "ttft_p50": ours["ttft_p50_s"] is not None and ours["ttft_p50_s"] <= best("ttft_p50_s", True),
+        "ttft_p99": ours["ttft_p99_s"] is not None and ours["ttft_p99_s"] <= best("ttft_p99_s", True),
+        "hit": ours["hit_ratio"] is not None and ours["hit_ratio"] >= best("hit_ratio", False) - 0.01,
+    }
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("out/compare_routers"))
+    parser.add_argument("--traces", default=",".join(TRACES), help="comma-separated: " + ",".join(TRACES))
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--routers", default="tokenspeed,vllm-router,sglang-router")
+    parser.add_argument("--baseline", action="store_true", help="also our round_robin")
+    parser.add_argument("--requests", type=int, default=240, help="requests per trace slice (default 240)")
+    parser.add_argument("--time-scale", type=float, default=4.0,
+                        help="modelled seconds per wall second (engines and arrivals; default 4)")
+    parser.add_argument("--quick", action="store_true", help="60 requests, one scenario (smoke run)")
+    parser.add_argument("--python", default=sys.executable,
+                        help="interpreter that runs engine-sim and serve (default: this one)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    n = 60 if args.quick else args.requests
+    scenarios = ["pressure"] if args.quick else [s for s in args.scenarios.split(",") if s]
+    names = [r for r in args.routers.split(",") if r] + (["round_robin"] if args.baseline else [])
+    kinds = []
+    for name in names:
+        kind = ROUTERS[name]
+        why = kind.available()
+        if why:
+            print(f"skipping {name}: {why}", file=sys.stderr)
+        else:
+            kinds.append(kind)
+    traces_dir = _shared_traces()
+    out: dict[str, Any] = {"config": {"requests": n, "time_scale": args.time_scale,
+                                      "engines": NUM_ENGINES, "prompt_scale": PROMPT_SCALE,
+                                      "max_output_tokens": MAX_OUTPUT_TOKENS,
+                                      "engine": "capacity 25k tokens (200k full-size), prefill 2.5k tok/s "
+                                                "(20k full-size), decode 20 ms/token, block 16"},
+                           "results": {}}
+    log_root = Path(tempfile.mkdtemp(prefix="compare-routers-"))
+    bar = ProgressBar()
+    tables = []
+    for trace in [t for t in args.traces.split(",") if t]:
+        file, start_s, rate = TRACES[trace]
+        requests = scale_prompts(load_mooncake(traces_dir / file, TraceWindow(
+            start_s=start_s, max_requests=n, rate_scale=rate * args.time_scale)), PROMPT_SCALE)
+        stats = trace_summary(requests)
+        out["results"].setdefault(trace, {"trace_stats": stats})
+        for scenario in scenarios:
+            rows: dict[str, dict[str, Any]] = {}
+            records: dict[str, list[RequestRecord]] = {}
+            for kind in kinds:
+                rows[kind.name], records[kind.name] = run_one(
+                    kind, scenario, requests, time_scale=args.time_scale,
+                    log_dir=log_root / trace / scenario / kind.name, progress=bar,
+                    python=args.python)
+            targets = _check_targets(rows)
+            out["results"][trace][scenario] = {"routers": rows, "targets_met": targets}
+            table = format_runs_table(rows, label=f"{trace}/{scenario}")
+            tables.append(table + (f"\ntargets met: {targets}" if targets else ""))
+            print("\n" + tables[-1], flush=True)
+            write_plots(records, args.out, title=f"{trace} / {scenario}")
+            plot = args.out / "loadgen.png"
+            if plot.exists():
+                plot.rename(args.out / f"{trace}-{scenario}.png")
+    path = write_results(out, args.out)
+    print("\n\n".join(tables))
+    print(f"\nresults: {path}\nlogs: {log_root}")
+    print(json.dumps({t: {s: v.get("targets_met") for s, v in r.items() if s != "trace_stats"}
+                      for t, r in out["results"].items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
