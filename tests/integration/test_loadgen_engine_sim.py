@@ -35,8 +35,10 @@ def _line(ts: int, n: int, ids: list[int], out: int = 3) -> str:
 
 #: 16-token hash blocks (engine block size 16): requests 1 and 2 share block 0,
 #: request 3 repeats request 2 entirely, request 4 shares nothing.
-TRACE = [_line(0, 40, [1, 2, 3]), _line(50, 36, [1, 4, 5], out=5), _line(100, 36, [1, 4, 5]),
-         _line(150, 20, [9, 10])]
+#: 600 ms apart: each answer (instant engine) is complete before the next request,
+#: so cache hits do not depend on the machine's load.
+TRACE = [_line(0, 40, [1, 2, 3]), _line(600, 36, [1, 4, 5], out=5), _line(1200, 36, [1, 4, 5]),
+         _line(1800, 20, [9, 10])]
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +119,7 @@ def test_cli_writes_results_and_prints_the_table(engines: list[EngineHandle], tm
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "tokenspeed_router.cli", "loadgen", "--trace", str(trace),
-         "--target", engines[0].url, "--tokens-per-hash-id", "16", "--time-scale", "10",
+         "--target", engines[0].url, "--tokens-per-hash-id", "16",
          "--token-key", "14", "--out", str(out)],
         capture_output=True, text=True, timeout=120, check=False,
     )
