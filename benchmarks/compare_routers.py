@@ -210,7 +210,7 @@ def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *
         progress.start(f"{kind.name}/{scenario}")
         outcome = replay(requests, builder, ReplayConfig(target=urls[0], extra_targets=tuple(urls[1:])),
                          progress=progress)
-    summary = summarize(outcome.records, wall_s=outcome.wall_s)
+    summary = summarize(outcome.records, wall_s=outcome.wall_s, workers=[e.name for e in engines])
     summary["max_send_lateness_s"] = outcome.max_send_lateness_s
     return summary, outcome.records
 
@@ -292,10 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             table = format_runs_table(rows, label=f"{trace}/{scenario}")
             tables.append(table + (f"\ntargets met: {targets}" if targets else ""))
             print("\n" + tables[-1], flush=True)
-            write_plots(records, args.out, title=f"{trace} / {scenario}")
-            plot = args.out / "loadgen.png"
-            if plot.exists():
-                plot.rename(args.out / f"{trace}-{scenario}.png")
+            write_plots(records, args.out, title=f"{trace} / {scenario}",
+                        workers=[f"engine{i}" for i in range(NUM_ENGINES)], name=f"{trace}-{scenario}.png")
     path = write_results(out, args.out)
     print("\n\n".join(tables))
     print(f"\nresults: {path}\nlogs: {log_root}")

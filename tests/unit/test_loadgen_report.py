@@ -45,6 +45,9 @@ def test_summary_metrics() -> None:
     assert m["hit_ratio"] == pytest.approx(0.5) and m["usage_reported"] == 10
     assert m["requests_per_worker"] == {"w0": 6, "w1": 5}
     assert m["spread_max_over_mean"] == pytest.approx(6 / 5.5)
+    starved = summarize(recs, wall_s=2.0, workers=["w0", "w1", "w2"])
+    assert starved["requests_per_worker"] == {"w0": 6, "w1": 5, "w2": 0}
+    assert starved["spread_max_over_mean"] == pytest.approx(6 / (11 / 3))
     table = format_runs_table({"kv_aware": m})
     assert "kv_aware" in table and "50.0%" in table
 

@@ -135,7 +135,7 @@ def run_policy(policy: str, setup: DemoSetup, *, log_dir: Path,
         if progress is not None:
             progress.start(policy)
         outcome = replay(setup.requests, builder, ReplayConfig(target=url), progress=progress)
-    summary = summarize(outcome.records, wall_s=outcome.wall_s)
+    summary = summarize(outcome.records, wall_s=outcome.wall_s, workers=setup.engine_names())
     summary["max_send_lateness_s"] = outcome.max_send_lateness_s
     return summary, outcome.records
 
@@ -182,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
            "requests": {p: [r.as_dict() for r in recs] for p, recs in records.items()}}
     path = write_results(doc, out_dir)
     plots = write_plots(records, out_dir, title=f"demo: {len(setup.requests)} requests, "
-                        f"{setup.num_engines} engine-sims, memory pressure{restart}")
+                        f"{setup.num_engines} engine-sims, memory pressure{restart}",
+                        workers=setup.engine_names(), name="demo.png")
     print()
     print(format_runs_table(summaries, label="policy"))
     print(f"\n(wall-clock seconds through real HTTP; engines modelled at {setup.time_scale:g}x speed; "

@@ -44,8 +44,14 @@ def _dist(values: Sequence[float], prefix: str) -> dict[str, float | None]:
     }
 
 
-def summarize(records: Sequence[RequestRecord], *, wall_s: float) -> dict[str, Any]:
-    """The metrics of one run (see the module docstring)."""
+def summarize(records: Sequence[RequestRecord], *, wall_s: float,
+              workers: Sequence[str] = ()) -> dict[str, Any]:
+    """The metrics of one run (see the module docstring).
+
+    ``workers``: every worker behind the target, when known, so that one that
+    got no request at all counts in the spread (a router that starves an
+    engine looks balanced over the engines it did use).
+    """
     ok = [r for r in records if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
@@ -53,7 +59,8 @@ def summarize(records: Sequence[RequestRecord], *, wall_s: float) -> dict[str, A
     usage = [r for r in ok if r.prompt_tokens is not None and r.cached_tokens is not None]
     prompt_tokens = sum(r.prompt_tokens or 0 for r in usage)
     cached_tokens = sum(r.cached_tokens or 0 for r in usage)
-    per_worker = Counter(r.worker or "?" for r in ok)
+    per_worker = Counter({w: 0 for w in workers})
+    per_worker.update(r.worker or "?" for r in ok)
     counts = list(per_worker.values())
     mean = sum(counts) / len(counts) if counts else 0.0
     errors = Counter((r.error or "").split(":")[0] for r in records if not r.ok)
@@ -100,7 +107,8 @@ def format_runs_table(runs: Mapping[str, Mapping[str, Any]], *, label: str = "ru
 
 
 def write_plots(
-    runs: Mapping[str, Sequence[RequestRecord]], out_dir: Path, *, title: str
+    runs: Mapping[str, Sequence[RequestRecord]], out_dir: Path, *, title: str,
+    workers: Sequence[str] = (), name: str = "loadgen.png",
 ) -> list[Path]:
     """TTFT CDF, TTFT over time and requests per worker, one curve/bar group per run.
 
@@ -117,7 +125,7 @@ def write_plots(
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
     fig, (ax_cdf, ax_time, ax_spread) = plt.subplots(1, 3, figsize=(16, 4.5))
-    workers = sorted({r.worker or "?" for recs in runs.values() for r in recs if r.ok})
+    workers = sorted({*workers, *(r.worker or "?" for recs in runs.values() for r in recs if r.ok)})
     n_runs = max(1, len(runs))
     bar_w = 0.8 / n_runs
     for k, (name, recs) in enumerate(runs.items()):
@@ -147,7 +155,7 @@ def write_plots(
     ax_spread.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    path = out_dir / "loadgen.png"
+    path = out_dir / name
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return [path]
