@@ -193,7 +193,7 @@ def _redis(fleet: Fleet) -> str:
 
 def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *, time_scale: float,
             log_dir: Path, progress: ProgressBar, python: str = sys.executable) -> tuple[dict[str, Any], list[RequestRecord]]:
-    engine = EngineSimOptions(capacity_tokens=25_000, prefill_tokens_per_s=2_500.0,
+    engine = EngineSimOptions(capacity_tokens=12_500, prefill_tokens_per_s=2_500.0,
                               decode_s_per_token=0.02, time_scale=time_scale, model=MODEL)
     opts = [engine] * NUM_ENGINES
     if scenario == "restart":
@@ -265,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out: dict[str, Any] = {"config": {"groups": groups, "time_scale": args.time_scale,
                                       "engines": NUM_ENGINES, "prompt_scale": PROMPT_SCALE,
                                       "max_output_tokens": MAX_OUTPUT_TOKENS,
-                                      "engine": "capacity 25k tokens (200k full-size), prefill 2.5k tok/s "
+                                      "engine": "capacity 12.5k tokens (100k full-size), prefill 2.5k tok/s "
                                                 "(20k full-size), decode 20 ms/token, block 16"},
                            "results": {}}
     log_root = Path(tempfile.mkdtemp(prefix="compare-routers-"))

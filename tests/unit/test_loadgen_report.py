@@ -65,8 +65,8 @@ def test_results_and_plot_files(tmp_path) -> None:
     doc = json.loads(path.read_text())
     assert doc["summary"]["requests_per_worker"] == {"w0": 2, "w1": 2}
     assert doc["requests"][0]["itl_mean_s"] == pytest.approx(0.1)
-    (png,) = write_plots({"run": recs}, tmp_path, title="t")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (png,) = write_plots({"run": recs}, tmp_path, title="t", workers=["w0", "w1", "w2"], name="x.png")
+    assert png == tmp_path / "x.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_progress_writes_lines_when_not_a_terminal() -> None:

@@ -22,7 +22,7 @@ speed, so seconds here are 1/K of the modelled seconds.
 
 Scale: prompts are shrunk 8x (``scale_prompts(0.125)``: each 512-token
 hash block becomes 64 tokens), and the engines' cache and prefill rate with
-them, so the modelled system is a 200k-token-cache, 20k-token/s engine fleet
+them, so the modelled system is a 100k-token-cache, 20k-token/s engine fleet
 while a 2-core laptop moves 8x fewer token ids. ``--sim`` runs the earlier
 in-process simulation demo instead (no HTTP, virtual clock).
 """
@@ -34,6 +34,7 @@ import json
 import logging
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
@@ -41,7 +42,7 @@ from typing import Any
 
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.loadgen.client import RequestRecord
-from tokenspeed_router.loadgen.fleet import EngineSimOptions, Fleet
+from tokenspeed_router.loadgen.fleet import EngineHandle, EngineSimOptions, Fleet
 from tokenspeed_router.loadgen.prompts import PromptBuilder, PromptConfig, scale_prompts
 from tokenspeed_router.loadgen.replay import ReplayConfig, replay
 from tokenspeed_router.loadgen.report import (
@@ -53,7 +54,15 @@ from tokenspeed_router.loadgen.report import (
 from tokenspeed_router.sim.runner import ProgressBar
 from tokenspeed_router.sim.traces import TraceRequest, TraceWindow, parse_mooncake, trace_summary
 
-__all__ = ["DEMO_POLICIES", "DemoSetup", "add_arguments", "demo_setup", "run", "run_policy"]
+__all__ = [
+    "DEMO_POLICIES",
+    "DemoSetup",
+    "add_arguments",
+    "demo_setup",
+    "run",
+    "run_policies",
+    "run_policy",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +101,26 @@ class DemoSetup:
         self.num_engines = engines
         self.requests = requests
         self.time_scale = time_scale
-        #: Modelled at full size: 200k-token caches, 20k prefill tokens/s, 20 ms/token decode.
-        self.engine = EngineSimOptions(capacity_tokens=25_000, prefill_tokens_per_s=2_500.0,
+        #: Modelled at full size: 100k-token caches (the slice holds ~1.7M distinct prompt
+        #: tokens), 20k prefill tokens/s, 20 ms/token decode.
+        self.engine = EngineSimOptions(capacity_tokens=12_500, prefill_tokens_per_s=2_500.0,
                                        decode_s_per_token=0.02, time_scale=time_scale)
         #: The second engine restarts after a quarter of the slice's share per engine.
         self.restart_after = max(1, len(requests) // (4 * engines)) if restart else None
+
+    def gateway_flags(self) -> list[str]:
+        """Router time constants scaled like the engines' clock.
+
+        The engines run ``time_scale`` times faster than modelled; the router's
+        memory of what it routed (``predict_on_route_ttl_s``, 15 s, and the
+        approximate policy's ``approx_ttl_s``, 120 s, both shipped defaults)
+        is in wall seconds, so it is divided by the same factor: otherwise it
+        would outlive the whole run and hide what each policy does with cache
+        turnover.
+        """
+        k = self.time_scale
+        return ["--router-option", f"predict_on_route_ttl_s={15.0 / k:g}",
+                "--router-option", f"approx_ttl_s={120.0 / k:g}"]
 
     def engine_options(self) -> list[EngineSimOptions]:
         opts = [self.engine] * self.num_engines
@@ -111,7 +135,8 @@ class DemoSetup:
         return {"engines": self.num_engines, "engine": self.engine.args(),
                 "restart": None if self.restart_after is None else
                 {"engine": "engine1", "after_requests": self.restart_after},
-                "time_scale": self.time_scale, "prompt_scale": 0.125}
+                "time_scale": self.time_scale, "prompt_scale": 0.125,
+                "gateway_flags": self.gateway_flags()}
 
 
 def demo_setup(args: argparse.Namespace) -> DemoSetup:
@@ -125,19 +150,40 @@ def demo_setup(args: argparse.Namespace) -> DemoSetup:
                      time_scale=time_scale, restart=not args.no_restart)
 
 
-def run_policy(policy: str, setup: DemoSetup, *, log_dir: Path,
+def run_policy(policy: str, setup: DemoSetup, fleet: Fleet, engines: Sequence[EngineHandle], *,
                progress: ProgressBar | None = None) -> tuple[dict[str, Any], list[RequestRecord]]:
-    """One fresh fleet, one gateway with ``policy``, one replay; returns (summary, records)."""
-    with Fleet(log_dir / policy) as fleet:
-        engines = fleet.start_engines(setup.engine_names(), setup.engine_options())
-        url = fleet.start_gateway("gateway", engines, policy=policy)
-        builder = PromptBuilder(PromptConfig(model=setup.engine.model))
-        if progress is not None:
-            progress.start(policy)
-        outcome = replay(setup.requests, builder, ReplayConfig(target=url), progress=progress)
+    """A gateway with ``policy`` in front of this policy's own fresh engines; one replay."""
+    url = fleet.start_gateway("gateway", engines, policy=policy, extra=setup.gateway_flags())
+    builder = PromptBuilder(PromptConfig(model=setup.engine.model))
+    if progress is not None:
+        progress.start(policy)
+    outcome = replay(setup.requests, builder, ReplayConfig(target=url), progress=progress)
     summary = summarize(outcome.records, wall_s=outcome.wall_s, workers=setup.engine_names())
     summary["max_send_lateness_s"] = outcome.max_send_lateness_s
     return summary, outcome.records
+
+
+def run_policies(policies: Sequence[str], setup: DemoSetup, *, log_dir: Path,
+                 progress: ProgressBar | None = None
+                 ) -> tuple[dict[str, dict[str, Any]], dict[str, list[RequestRecord]]]:
+    """Every policy on its own fleet. All engines start together (their start-up
+    is mostly importing torch, which overlaps well); runs are sequential, and
+    each fleet is stopped once its run is over."""
+    fleets = {p: Fleet(log_dir / p) for p in policies}
+    summaries: dict[str, dict[str, Any]] = {}
+    records: dict[str, list[RequestRecord]] = {}
+    try:
+        launched = {p: f.launch_engines(setup.engine_names(), setup.engine_options())
+                    for p, f in fleets.items()}
+        engines = {p: fleets[p].wait_engines(procs) for p, procs in launched.items()}
+        for policy in policies:
+            summaries[policy], records[policy] = run_policy(policy, setup, fleets[policy],
+                                                            engines[policy], progress=progress)
+            fleets[policy].close()
+    finally:
+        for fleet in fleets.values():
+            fleet.close()
+    return summaries, records
 
 
 def _run_sim(args: argparse.Namespace) -> int:
@@ -171,12 +217,8 @@ def run(args: argparse.Namespace) -> int:
           f"{stats['span_s']:.0f} s; {setup.num_engines} engine-sims with small caches "
           f"(memory pressure){restart}; gateway policies {', '.join(policies)}; "
           f"time scale {setup.time_scale:g}", file=sys.stderr)
-    bar = ProgressBar()
-    summaries: dict[str, dict[str, Any]] = {}
-    records: dict[str, list[RequestRecord]] = {}
-    for policy in policies:
-        summaries[policy], records[policy] = run_policy(policy, setup, log_dir=out_dir / "logs",
-                                                        progress=bar)
+    print(f"starting {len(policies) * setup.num_engines} engine-sims ...", file=sys.stderr)
+    summaries, records = run_policies(policies, setup, log_dir=out_dir / "logs", progress=ProgressBar())
     doc = {"mode": "demo", "trace": DEMO_TRACE, "setup": setup.describe(), "trace_stats": stats,
            "policies": summaries,
            "requests": {p: [r.as_dict() for r in recs] for p, recs in records.items()}}

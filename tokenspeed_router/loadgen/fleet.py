@@ -130,6 +130,11 @@ class ManagedProcess:
                                       f"log {self.log_path}:\n{self.log_tail()}")
             pause.wait(0.1)
 
+    def terminate(self) -> None:
+        """Ask the process to stop (SIGTERM) without waiting."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+
     def stop(self, grace_s: float = 10.0) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -193,7 +198,7 @@ class Fleet:
 
     log_dir: Path
     python: str = sys.executable
-    startup_timeout_s: float = 60.0
+    startup_timeout_s: float = 120.0
     processes: list[ManagedProcess] = field(default_factory=list)
 
     def _cli(self, *args: str) -> list[str]:
@@ -208,13 +213,22 @@ class Fleet:
 
     def start_engines(self, names: Sequence[str], options: Sequence[EngineSimOptions]) -> list[EngineHandle]:
         """Start one engine-sim per name (in parallel) and wait for their endpoints."""
-        procs = [
+        return self.wait_engines(self.launch_engines(names, options))
+
+    def launch_engines(self, names: Sequence[str],
+                       options: Sequence[EngineSimOptions]) -> list[ManagedProcess]:
+        """Start engine-sims without waiting (see :meth:`wait_engines`): several
+        fleets can then import torch at the same time."""
+        return [
             self.start(name, self._cli("engine-sim", "--port", "0", "--name", name,
                                        "--events", "tcp://127.0.0.1:0",
                                        "--replay", "tcp://127.0.0.1:0", *opts.args()),
                        capture_first_line=True)
             for name, opts in zip(names, options, strict=True)
         ]
+
+    def wait_engines(self, procs: Sequence[ManagedProcess]) -> list[EngineHandle]:
+        """Each engine's resolved endpoints, from its first stdout line."""
         handles = []
         for proc in procs:
             info = json.loads(proc.read_first_line(self.startup_timeout_s))
@@ -255,6 +269,9 @@ class Fleet:
             self.processes.remove(proc)
 
     def close(self) -> None:
+        # SIGTERM to all first, so that their graceful shutdowns overlap.
+        for proc in reversed(self.processes):
+            proc.terminate()
         while self.processes:
             proc = self.processes.pop()
             try:

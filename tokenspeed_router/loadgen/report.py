@@ -128,15 +128,15 @@ def write_plots(
     workers = sorted({*workers, *(r.worker or "?" for recs in runs.values() for r in recs if r.ok)})
     n_runs = max(1, len(runs))
     bar_w = 0.8 / n_runs
-    for k, (name, recs) in enumerate(runs.items()):
+    for k, (label, recs) in enumerate(runs.items()):
         ok = [r for r in recs if r.ok and r.ttft_s is not None]
         ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
         if ttft:
-            ax_cdf.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=name)
-            ax_time.scatter([r.sent_s for r in ok], [r.ttft_s for r in ok], s=4, label=name, alpha=0.6)
+            ax_cdf.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=label)
+            ax_time.scatter([r.sent_s for r in ok], [r.ttft_s for r in ok], s=4, label=label, alpha=0.6)
         counts = Counter(r.worker or "?" for r in recs if r.ok)
         ax_spread.bar([i + k * bar_w for i in range(len(workers))], [counts.get(w, 0) for w in workers],
-                      width=bar_w, label=name)
+                      width=bar_w, label=label)
     ax_cdf.set_xscale("log")
     ax_cdf.set_xlabel("TTFT (s, log)")
     ax_cdf.set_ylabel("fraction of requests")
