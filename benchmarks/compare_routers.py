@@ -50,6 +50,7 @@ from tokenspeed_router.loadgen.fleet import (
     EngineHandle,
     EngineSimOptions,
     Fleet,
+    clock_scaled_router_flags,
     free_loopback_port,
 )
 from tokenspeed_router.loadgen.prompts import PromptBuilder, PromptConfig, scale_prompts
@@ -113,22 +114,38 @@ def _binary(name: str) -> str | None:
 
 
 @dataclass(frozen=True)
+class RunContext:
+    """What a router launcher needs besides the engines."""
+
+    fleet: Fleet
+    replica: int
+    time_scale: float
+    redis: str | None = None
+
+
+#: (context, engines) -> the router's base URL once it serves
+Launcher = Callable[[RunContext, Sequence[EngineHandle]], str]
+
+
+@dataclass(frozen=True)
 class RouterKind:
     name: str
     prompt_format: str
-    #: (fleet, engines, replica index, redis url or None) -> base URL
-    start: Callable[[Fleet, Sequence[EngineHandle], int, str | None], str]
+    start: Launcher
     available: Callable[[], str | None]  # None = available, else why not
 
 
-def _ours(policy: str) -> Callable[[Fleet, Sequence[EngineHandle], int, str | None], str]:
-    def start(fleet: Fleet, engines: Sequence[EngineHandle], replica: int, redis: str | None) -> str:
-        extra = ["--state", redis] if redis else []
-        return fleet.start_gateway(f"tokenspeed-{policy}-{replica}", engines, policy=policy, extra=extra)
+def _ours(policy: str) -> Launcher:
+    def start(ctx: RunContext, engines: Sequence[EngineHandle]) -> str:
+        # Our time constants follow the engines' clock (see clock_scaled_router_flags);
+        # the peers run with their defaults (no comparable time-based memory).
+        extra = clock_scaled_router_flags(ctx.time_scale) + (["--state", ctx.redis] if ctx.redis else [])
+        return ctx.fleet.start_gateway(f"tokenspeed-{policy}-{ctx.replica}", engines, policy=policy,
+                                       extra=extra)
     return start
 
 
-def _vllm_router(fleet: Fleet, engines: Sequence[EngineHandle], replica: int, redis: str | None) -> str:
+def _vllm_router(ctx: RunContext, engines: Sequence[EngineHandle]) -> str:
     port = free_loopback_port()
     cmd = [str(_binary("vllm-router")), "--host", "127.0.0.1", "--port", str(port),
            "--worker-urls", *[e.url for e in engines], "--policy", "kv_aware",
@@ -139,21 +156,21 @@ def _vllm_router(fleet: Fleet, engines: Sequence[EngineHandle], replica: int, re
         cmd += ["--kv-event-source", f"{e.url}={e.events}"]
         if e.replay:
             cmd += ["--kv-event-replay-source", f"{e.url}={e.replay}"]
-    proc = fleet.start(f"vllm-router-{replica}", cmd)
+    proc = ctx.fleet.start(f"vllm-router-{ctx.replica}", cmd)
     url = f"http://127.0.0.1:{port}"
-    fleet.wait_models(proc, url)
+    ctx.fleet.wait_models(proc, url)
     return url
 
 
-def _sglang_router(fleet: Fleet, engines: Sequence[EngineHandle], replica: int, redis: str | None) -> str:
+def _sglang_router(ctx: RunContext, engines: Sequence[EngineHandle]) -> str:
     port = free_loopback_port()
     cmd = [str(_binary("smg")), "launch", "--host", "127.0.0.1", "--port", str(port),
            "--worker-urls", *[e.url for e in engines], "--policy", "cache_aware",
            "--log-level", "warn",
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_loopback_port())]
-    proc = fleet.start(f"sglang-router-{replica}", cmd)
+    proc = ctx.fleet.start(f"sglang-router-{ctx.replica}", cmd)
     url = f"http://127.0.0.1:{port}"
-    fleet.wait_models(proc, url)
+    ctx.fleet.wait_models(proc, url)
     return url
 
 
@@ -204,7 +221,8 @@ def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *
         engines = fleet.start_engines([f"engine{i}" for i in range(NUM_ENGINES)], opts)
         redis = _redis(fleet) if scenario == "replicas" and kind.name in ("tokenspeed", "round_robin") else None
         replicas = 2 if scenario == "replicas" else 1
-        urls = [kind.start(fleet, engines, i, redis) for i in range(replicas)]
+        urls = [kind.start(RunContext(fleet=fleet, replica=i, time_scale=time_scale, redis=redis), engines)
+                for i in range(replicas)]
         builder = PromptBuilder(PromptConfig(model=MODEL, prompt_format=kind.prompt_format,
                                              max_output_tokens=MAX_OUTPUT_TOKENS))
         progress.start(f"{kind.name}/{scenario}")

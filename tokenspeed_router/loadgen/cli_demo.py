@@ -42,7 +42,12 @@ from typing import Any
 
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.loadgen.client import RequestRecord
-from tokenspeed_router.loadgen.fleet import EngineHandle, EngineSimOptions, Fleet
+from tokenspeed_router.loadgen.fleet import (
+    EngineHandle,
+    EngineSimOptions,
+    Fleet,
+    clock_scaled_router_flags,
+)
 from tokenspeed_router.loadgen.prompts import PromptBuilder, PromptConfig, scale_prompts
 from tokenspeed_router.loadgen.replay import ReplayConfig, replay
 from tokenspeed_router.loadgen.report import (
@@ -109,18 +114,7 @@ class DemoSetup:
         self.restart_after = max(1, len(requests) // (4 * engines)) if restart else None
 
     def gateway_flags(self) -> list[str]:
-        """Router time constants scaled like the engines' clock.
-
-        The engines run ``time_scale`` times faster than modelled; the router's
-        memory of what it routed (``predict_on_route_ttl_s``, 15 s, and the
-        approximate policy's ``approx_ttl_s``, 120 s, both shipped defaults)
-        is in wall seconds, so it is divided by the same factor: otherwise it
-        would outlive the whole run and hide what each policy does with cache
-        turnover.
-        """
-        k = self.time_scale
-        return ["--router-option", f"predict_on_route_ttl_s={15.0 / k:g}",
-                "--router-option", f"approx_ttl_s={120.0 / k:g}"]
+        return clock_scaled_router_flags(self.time_scale)
 
     def engine_options(self) -> list[EngineSimOptions]:
         opts = [self.engine] * self.num_engines

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     config = {
         "trace": str(args.trace), "targets": args.target, "label": label, "model": model,
         "time_scale": args.time_scale, "limit": args.limit, "start_s": args.start_s,
-        "duration_s": args.duration_s, "prompt_format": builder.config.prompt_format.value,
+        "duration_s": args.duration_s, "prompt_format": PromptFormat(builder.config.prompt_format).value,
         "tokens_per_hash_id": args.tokens_per_hash_id, "scale_prompts": args.scale_prompts, "max_output_tokens": args.max_output_tokens,
         "ignore_eos": builder.config.ignore_eos, "token_key": args.token_key,
     }

@@ -35,7 +35,14 @@ from typing import IO, Any
 from tokenspeed_router.errors import TokenspeedError
 from tokenspeed_router.sim.live import free_loopback_port
 
-__all__ = ["EngineHandle", "EngineSimOptions", "Fleet", "ManagedProcess", "free_loopback_port"]
+__all__ = [
+    "EngineHandle",
+    "EngineSimOptions",
+    "Fleet",
+    "ManagedProcess",
+    "clock_scaled_router_flags",
+    "free_loopback_port",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +178,23 @@ class EngineSimOptions:
         if self.restart_after_requests is not None:
             out += ["--fault-restart-after-requests", str(self.restart_after_requests)]
         return out + list(self.extra)
+
+
+def clock_scaled_router_flags(time_scale: float) -> list[str]:
+    """``serve`` flags that scale the router's time constants like the engines' clock.
+
+    Engines run ``time_scale`` times faster than modelled; the router's memory
+    of what it routed (``predict_on_route_ttl_s``, 15 s, and the approximate
+    policy's ``approx_ttl_s``, 120 s: the shipped defaults) is in wall
+    seconds, so it is divided by the same factor. Otherwise a 15 s memory
+    would span 2 modelled minutes and outlive cache turnover, which is not
+    what the defaults do at real speed.
+    """
+    k = float(time_scale)
+    if k <= 0:
+        return []
+    return ["--router-option", f"predict_on_route_ttl_s={15.0 / k:g}",
+            "--router-option", f"approx_ttl_s={120.0 / k:g}"]
 
 
 @dataclass(frozen=True)

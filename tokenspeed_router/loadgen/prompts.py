@@ -58,7 +58,7 @@ class PromptConfig:
     """What every request body carries besides its prompt."""
 
     model: str
-    prompt_format: PromptFormat = PromptFormat.TOKENS
+    prompt_format: PromptFormat | str = PromptFormat.TOKENS
     #: Cap on ``max_tokens`` (None: the trace's ``output_length`` as is).
     max_output_tokens: int | None = None
     #: vLLM/SGLang extension: generate exactly ``max_tokens`` tokens.
