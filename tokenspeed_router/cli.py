@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("tokenspeed_router.router.bench", "benchmark ingestion, matching and routing"),
     "loadgen": ("tokenspeed_router.loadgen.cli_loadgen",
                 "replay a Mooncake trace against an OpenAI endpoint (TTFT, hit ratio, spread)"),
+    "engine-sim": (
+        "tokenspeed_router.engine_sim.cli_engine_sim",
+        "a simulated vLLM engine: OpenAI API, real prefix cache, real KV events",
+    ),
 }
 
 
