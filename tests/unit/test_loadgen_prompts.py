@@ -114,3 +114,16 @@ def test_scale_prompts_keeps_sharing_with_smaller_blocks() -> None:
         scale_prompts(reqs, 0.3)
     with pytest.raises(ConfigError):
         scale_prompts(reqs, 0.0)
+
+
+def test_loadgen_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import tokenspeed_router.loadgen, tokenspeed_router.loadgen.cli_loadgen\n"
+        "import tokenspeed_router.loadgen.cli_demo, tokenspeed_router.loadgen.fleet\n"
+        "assert 'torch' not in sys.modules, 'torch imported by loadgen'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
