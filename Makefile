@@ -3,12 +3,19 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# torch's CPU build (a plain `pip install torch` resolves to the CUDA build on
+# Linux: ~19 nvidia wheels, several GB). See docs/install.md.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=23"
+	@# A local wheel first (pip find-links, offline mirrors), else PyTorch's CPU index.
+	$(BIN)/python -m pip install --quiet --no-index --no-deps "torch==$(TORCH_VERSION)" 2>/dev/null \
+	  || $(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)" --index-url "$(TORCH_INDEX_URL)"
 	$(BIN)/python -m pip install --quiet -c constraints-dev.txt -e '.[torch,plot,dev]'
 	touch $(STAMP)
 

@@ -43,6 +43,7 @@ from tokenspeed_router.events import (
     ZmqEventPublisher,
     encode_batch,
 )
+from tokenspeed_router.percentiles import percentile
 
 SEED = 1234
 BLOCK_SIZE = 16
@@ -238,7 +239,7 @@ def bench_pubsub(num_batches: int, rate_per_s: float, wire_format: str) -> PubSu
     elapsed = span + latencies[0]
 
     def pct(q: float) -> float:
-        return 1000 * latencies[min(len(latencies) - 1, int(q * len(latencies)))]
+        return 1000 * percentile(latencies, 100 * q)
 
     return PubSubResult(
         "saturated" if rate_per_s <= 0 else f"{rate_per_s:.0f}/s",

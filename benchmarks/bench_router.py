@@ -7,8 +7,11 @@ Run::
     .venv/bin/python benchmarks/bench_router.py --json out.json
     .venv/bin/python benchmarks/bench_router.py --trace conversation --requests 2000
 
-``--trace`` replays the head of a Mooncake trace (``../shared/traces``) through
-every policy instead (see :func:`replay_trace`): routing quality, not speed.
+``--trace`` replays the head of a Mooncake trace through every policy instead
+(see :func:`replay_trace`): routing quality, not speed. The repository ships the
+first 400 conversation / 200 synthetic rows (``tests/data/traces``); point
+``TOKENSPEED_SHARED`` at a folder holding the whole traces (``traces/mooncake/``)
+for longer runs. The ``requests`` column says how many rows were replayed.
 
 Workload (fixed seed): block size 16; a few 512-token system prompts; every
 worker holds conversations of 1k-16k tokens that start with one of them,
@@ -37,11 +40,12 @@ import sys
 import time
 from typing import Any
 
+from trace_replay import TraceReplay, replay_trace
+
 from tokenspeed_router.events.schema import BlockStored, KVEventBatch
+from tokenspeed_router.percentiles import percentile as pct
 from tokenspeed_router.router import KvIndex, Router, RouterConfig
-from tokenspeed_router.router.bench_routing import IN_FLIGHT, POLICIES, time_routes
-from tokenspeed_router.router.bench_routing import percentile as pct
-from tokenspeed_router.router.trace_replay import TraceReplay, replay_trace
+from tokenspeed_router.router.bench import IN_FLIGHT, POLICIES, time_routes
 
 BLOCK = 16
 SEED = 20261129
@@ -181,9 +185,9 @@ def run_trace(trace: str, num_requests: int, num_workers: int) -> list[dict[str,
     import os
     from pathlib import Path
 
-    default = Path(__file__).resolve().parents[2] / "shared"
-    shared = Path(os.environ.get("TOKENSPEED_SHARED") or default)
-    path = shared / "traces" / "mooncake" / f"{trace}_trace.jsonl"
+    default = Path(__file__).resolve().parents[1] / "tests" / "data"
+    root = Path(os.environ.get("TOKENSPEED_SHARED") or default)
+    path = root / "traces" / "mooncake" / f"{trace}_trace.jsonl"
     with path.open() as f:
         rows = [json.loads(line) for _, line in zip(range(num_requests), f, strict=False)]
     out = []

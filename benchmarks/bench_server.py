@@ -38,10 +38,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import msgspec
+
+from tokenspeed_router.percentiles import percentile
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 16
@@ -54,10 +57,8 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 
 def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    """``q`` as a fraction (0.99), as the rest of this file writes it."""
+    return percentile(xs, 100 * q)
 
 
 def _free_port() -> int:
@@ -628,9 +629,9 @@ def main() -> int:
         results["event_to_visible"]["router_histogram_p50_le_ms"] = _bucket_quantile(buckets_before, after, 0.5) * 1e3
         results["event_to_visible"]["router_histogram_p99_le_ms"] = _bucket_quantile(buckets_before, after, 0.99) * 1e3
         print(f"{'event_to_visible':<34} {json.dumps(results['event_to_visible'])}", flush=True)
-        ws = json.loads(subprocess.run([sys.executable, "-c",
-            f"import httpx,json;print(json.dumps(httpx.get('http://127.0.0.1:{http_port}/workers').json()))"],
-            capture_output=True, text=True, check=True).stdout)["workers"]
+        # GET /workers answers {worker: status} (DESIGN §6), not {"workers": ...}.
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/workers", timeout=10) as resp:
+            ws = json.loads(resp.read())
         results["ingest"] = {
             "published_blocks": streamer.published_blocks,
             "events_applied": sum(w["events_applied"] for w in ws.values()),

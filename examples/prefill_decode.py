@@ -84,7 +84,11 @@ dp_ranks = 2
             doc = list(range(5000, 5000 + 64 * BLOCK))  # a 1,024-token document
             store(prefill[1], doc)  # prefill1 computed it before
             store(decode[1], doc[: 4 * BLOCK])  # decode/dp1 holds its first 64 tokens
-            while client.match(doc)["scores"].get("prefill1") != 64:
+            # Two publishers, two event streams: wait until the router has applied
+            # both, or the route below could run before decode/dp1's blocks arrive
+            # (then both decode ranks score 0 and the tie-break picks either).
+            want = {"prefill1": 64, "decode/dp1": 4}
+            while any(client.match(doc)["scores"].get(w) != n for w, n in want.items()):
                 threading.Event().wait(0.01)
             long_turn = client.route(doc + [1] * 100, request_id="long")
             print(f"long prompt : prefill on {long_turn['prefill_worker']}, decode on "

@@ -245,11 +245,29 @@ class Replica:
     def crash(self) -> None:
         """As if the process was SIGKILLed: nothing flushed, nothing released."""
         self.pump.stop()
-        self.state.crash()
+        crash_replica(self.state)
 
     def close(self) -> None:
         self.state.close()
         self.pump.stop()
+
+
+def crash_replica(replica: RedisStateReplica) -> None:
+    """Stop a replica's threads at once without flushing or releasing its lease.
+
+    A test hook, so it lives here and reaches into the replica: the library has
+    no reason to offer a way to lose data on purpose.
+    """
+    replica._closed = True
+    replica._stop.set()
+    replica._wake.set()
+    replica.writer.deactivate()
+    replica.writer.stop(1.0)
+    replica.follower.stop(1.0)
+    if replica._thread is not None:
+        replica._thread.join(5.0)
+    replica._client.close()
+    replica._role = "stopped"
 
 
 def wait_converged(workers: Workers, *parties: Any, timeout_s: float = 20.0) -> None:

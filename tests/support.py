@@ -15,24 +15,63 @@ T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def shared_dir() -> Path:
-    """The project's shared/ folder (beside the checkout), or $TOKENSPEED_SHARED."""
+DATA_DIR = REPO_ROOT / "tests" / "data"
+
+
+def data_dir() -> Path:
+    """The test data folder: ``tests/data`` in the checkout, or ``$TOKENSPEED_SHARED``.
+
+    The override lets the same tests run against another copy with the same
+    layout (``captures/``, ``traces/mooncake/``), e.g. the whole Mooncake traces.
+    """
     env = os.environ.get("TOKENSPEED_SHARED")
-    path = Path(env) if env else REPO_ROOT.parent / "shared"
+    path = Path(env) if env else DATA_DIR
     if not (path / "captures").is_dir():
         raise RuntimeError(
-            f"shared/ not found at {path}: golden tests need ../shared/captures "
-            "(set TOKENSPEED_SHARED to its location)"
+            f"test data not found at {path}: expected {path / 'captures'} "
+            "(unset TOKENSPEED_SHARED to use the copy in tests/data)"
         )
     return path
 
 
 def captures_dir() -> Path:
-    return shared_dir() / "captures"
+    return data_dir() / "captures"
 
 
 def traces_dir() -> Path:
-    return shared_dir() / "traces"
+    return data_dir() / "traces"
+
+
+_BLOCKER = """
+import sys
+
+_BLOCKED = {blocked!r}
+
+
+class _Blocked:
+    \"\"\"Make importing a blocked package fail as it does when it is not installed.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in _BLOCKED:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Blocked())
+"""
+
+
+def without_packages_env(folder: Path, *packages: str) -> dict[str, str]:
+    """Environment for a subprocess whose interpreter cannot import ``packages``.
+
+    A ``sitecustomize`` first on ``PYTHONPATH`` installs an import hook that
+    refuses them exactly as a missing package would (the real interpreter and
+    venv otherwise), so "not installed" paths run for real without a second venv.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(_BLOCKER.format(blocked=sorted(packages)))
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path}
 
 
 def wait_until(

@@ -30,11 +30,42 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("tokenspeed_router.router.bench", "benchmark ingestion, matching and routing"),
     "loadgen": ("tokenspeed_router.loadgen.cli_loadgen",
                 "replay a Mooncake trace against an OpenAI endpoint (TTFT, hit ratio, spread)"),
+    "relay": ("tokenspeed_router.relay.cli_relay", "follow one engine's KV events, republish them with snapshots"),
     "engine-sim": (
         "tokenspeed_router.engine_sim.cli_engine_sim",
         "a simulated vLLM engine: OpenAI API, real prefix cache, real KV events",
     ),
 }
+
+#: commands that run real PrefixCaches and therefore need the ``torch`` extra;
+#: every other command works from the router-only install (``pip install .``)
+NEEDS_TORCH: frozenset[str] = frozenset({"demo", "simulate", "engine-sim"})
+
+TORCH_HINT = (
+    "needs torch: pip install 'tokenspeed-router[torch]' "
+    "(CPU build: --extra-index-url https://download.pytorch.org/whl/cpu; see docs/install.md)"
+)
+
+
+def _is_missing_torch(err: ModuleNotFoundError) -> bool:
+    return (err.name or "").partition(".")[0] == "torch"
+
+
+def _require_torch() -> None:
+    """Fail before any work is done, rather than after a trace has been loaded."""
+    importlib.import_module("torch")
+
+
+#: the names ``--log-level`` accepts (any case), besides a numeric level
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(text: str) -> str:
+    """An argparse type: a known level name, so a typo is a usage error, not a traceback."""
+    level = str(text).strip().upper()
+    if level in LOG_LEVELS or level.isdigit():
+        return level
+    raise argparse.ArgumentTypeError(f"unknown level {text!r}; choose from {', '.join(LOG_LEVELS)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level",
         default=os.environ.get("TOKENSPEED_ROUTER_LOG_LEVEL", "INFO"),
+        type=_log_level,
         help="logging level (default INFO; env TOKENSPEED_ROUTER_LOG_LEVEL)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -61,18 +93,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     command = next((a for a in argv if a in COMMANDS), None)
     if command is not None:
-        module = importlib.import_module(COMMANDS[command][0])
+        try:
+            module = importlib.import_module(COMMANDS[command][0])
+        except ModuleNotFoundError as err:
+            if not _is_missing_torch(err):
+                raise
+            print(f"tokenspeed-router {command}: error: {TORCH_HINT}", file=sys.stderr)
+            return 2
         subparsers = next(
             a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
         )
         module.add_arguments(subparsers.choices[command])
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=str(args.log_level).upper(),
+        level=int(args.log_level) if args.log_level.isdigit() else args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        if command in NEEDS_TORCH:
+            _require_torch()
         return int(module.run(args) or 0)
+    except ModuleNotFoundError as err:
+        if not _is_missing_torch(err):
+            raise
+        print(f"tokenspeed-router {command}: error: {TORCH_HINT}", file=sys.stderr)
+        return 2
     except TokenspeedError as err:
         print(f"tokenspeed-router {command}: error: {err}", file=sys.stderr)
         return 2

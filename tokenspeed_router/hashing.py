@@ -32,13 +32,14 @@ from __future__ import annotations
 import array
 import functools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NewType
 
 import xxhash
 
 from tokenspeed_router.errors import WireError
 
 __all__ = [
+    "ContentHash",
     "HASH_ALGORITHM",
     "HASH_VERSION",
     "TOKEN_BYTES",
@@ -48,6 +49,12 @@ __all__ = [
     "root_seed",
     "tokens_to_bytes",
 ]
+
+#: The router's own content hash of a block (this module's chain, u64), as
+#: opposed to :data:`~tokenspeed_router.events.schema.BlockHash`, the opaque id
+#: an engine publishes for it. Our own workers publish content hashes as their
+#: ids; vLLM, SGLang and TokenSpeed do not, so the index maps one to the other.
+ContentHash = NewType("ContentHash", int)
 
 HASH_VERSION = 1
 HASH_ALGORITHM = "xxh3_64 seed-chained over u64-LE tokens, v1"
@@ -104,13 +111,13 @@ def tokens_to_bytes(token_ids: Any) -> bytes:
         raise WireError(f"token ids must be integers: {err}") from err
 
 
-def iter_block_hashes(data: bytes, block_size: int, seed: int) -> Iterator[int]:
+def iter_block_hashes(data: bytes, block_size: int, seed: int) -> Iterator[ContentHash]:
     """Yield the chained hash of each *full* block of ``data`` (u64-LE tokens)."""
     step = block_size * TOKEN_BYTES
     h = seed
     for off in range(0, len(data) - step + 1, step):
         h = _xxh3_64(data[off : off + step], h)
-        yield h
+        yield ContentHash(h)
 
 
 def block_hashes(
@@ -121,7 +128,7 @@ def block_hashes(
     lora_id: int | None = None,
     salt: str | bytes | None = None,
     include_partial: bool = False,
-) -> list[int]:
+) -> list[ContentHash]:
     """Chained content hashes of the blocks of ``token_ids``.
 
     ``parent`` continues an existing chain (its hash); otherwise the chain
@@ -135,5 +142,5 @@ def block_hashes(
     out = list(iter_block_hashes(data, block_size, seed))
     tail = len(data) % (block_size * TOKEN_BYTES)
     if include_partial and tail:
-        out.append(_xxh3_64(data[len(data) - tail :], out[-1] if out else seed))
+        out.append(ContentHash(_xxh3_64(data[len(data) - tail :], out[-1] if out else seed)))
     return out

@@ -1,10 +1,10 @@
 """Golden: every record of every engine capture decodes to what its manifest says.
 
-Captures come from the engines' own publisher code (``shared/captures/``).
+Captures come from the engines' own publisher code (``tests/data/captures/``).
 For each folder we check the framing, the record and event counts per batch,
 the block hash types and ranges, and that replaying the events rebuilds the
 manifest's final cache state (chains of token ids) and query answers. Never
-skipped: a missing captures folder is a failure (see ``support.shared_dir``).
+skipped: a missing captures folder is a failure (see ``support.data_dir``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Golden: real engine captures, decoded and folded into KvIndex, give the manifest's answers.
 
-Every capture folder in shared/captures (TokenSpeed, vLLM with int and bytes
+Every capture folder in tests/data/captures (TokenSpeed, vLLM with int and bytes
 hashes, SGLang) is read frame by frame (format in captures/README.md), the
 dp1 gap (seqs 2, 3) is healed from the replay records, each worker's batches
 are applied in seq order, and then every manifest query must give exactly

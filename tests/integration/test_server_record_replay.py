@@ -210,3 +210,37 @@ def test_record_command_and_capture_replay(captures: Path, tmp_path: Path) -> No
     assert json.loads(out.stdout)["truncated"] is False
     with EventLogReader(log) as reader:
         assert reader.meta["source"] == "tokenspeed-router record"
+
+
+def test_live_log_is_current_while_serving(tmp_path: Path) -> None:
+    """Each batch is in the log as soon as the router has it: no waiting for the next event."""
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    log = tmp_path / "live.tslog"
+    args = ["--worker", f"name=w0,events={pub.endpoint},replay={pub.replay_endpoint}", "--record", str(log)]
+    try:
+        with ServeProcess(args, tmp_path).start() as router:
+            wait_until(lambda: router.workers()["w0"]["connected"], 10, what="connected")
+            prompts = _workload([pub], random.Random(3), 12)
+            last = pub.statistics().published - 1
+            wait_until(lambda: router.workers()["w0"]["last_seq"] == last, 15, what="router caught up")
+            # The router is still running and no further event comes: the log must
+            # already hold every batch, so a replay agrees with the live answers.
+            with EventLogReader(log) as reader:
+                seqs = [r.seq for r in reader]
+            assert seqs == list(range(last + 1))
+            live = [nonzero(router.post("/match", {"token_ids": p})["scores"]) for p in prompts]
+            queries = tmp_path / "q.jsonl"
+            queries.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in prompts))
+            replay = _cli("replay", str(log), "--queries", str(queries), "--no-progress")
+            assert replay.returncode == 0, replay.stderr
+            replayed = [nonzero(json.loads(line)["scores"]) for line in replay.stdout.splitlines()]
+            assert replayed == live
+    finally:
+        pub.close()
+
+
+def test_replay_checks_queries_file_first(tmp_path: Path, captures: Path) -> None:
+    proc = _cli("replay", str(captures / "sglang-0.5.23"), "--queries", str(tmp_path / "missing.jsonl"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"tokenspeed-router replay: error: --queries {tmp_path / 'missing.jsonl'}: no such file"
+    assert proc.stdout == ""

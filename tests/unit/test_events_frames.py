@@ -31,7 +31,7 @@ def test_offset_endpoint_port(endpoint: str | None, rank: int, expected: str | N
     assert offset_endpoint_port(endpoint, rank) == expected
 
 
-@pytest.mark.parametrize("endpoint", ["ipc:///tmp/kv", "tcp://host", "tcp://h:x"])
+@pytest.mark.parametrize("endpoint", ["ipc:///tmp/kv", "tcp://host", "tcp://h:x", "tcp://h:65535"])
 def test_offset_rejects_what_cannot_be_offset(endpoint: str) -> None:
     with pytest.raises(ValueError):
         offset_endpoint_port(endpoint, 1)

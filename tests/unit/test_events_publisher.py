@@ -190,3 +190,29 @@ def test_ipc_rank_and_bad_bind(ctx: Ctx) -> None:
         ZmqEventPublisher("ipc:///tmp/never", dp_rank=1, context=ctx)
     with ZmqEventPublisher(LOOPBACK, context=ctx) as pub, pytest.raises(PublishError):
         ZmqEventPublisher(pub.endpoint, context=ctx)  # address in use
+
+
+class _Source:
+    """A ReplaySource that fails on request from seq 0 and answers otherwise."""
+
+    def replay_from(self, start_seq: int) -> list[tuple[int, bytes]]:
+        if start_seq == 0:
+            raise RuntimeError("source broken")
+        return [(start_seq, b"payload")]
+
+
+def test_replay_source_answers_and_its_failure_is_counted(ctx: Ctx) -> None:
+    with ZmqEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, context=ctx, buffer_steps=0,
+                           replay_source=_Source()) as pub:
+        assert pub.replay_endpoint is not None
+        assert pub.publish_encoded(b"raw") == 0 and pub.statistics().ring_size == 0
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(pub.replay_endpoint)
+        dealer.send_multipart([b"", encode_seq(0)])  # the source raises: no answer, counted
+        dealer.send_multipart([b"", encode_seq(5)])
+        assert dealer.poll(5000)
+        assert dealer.recv_multipart() == [b"", b"", encode_seq(5), b"payload"]
+        assert dealer.recv_multipart() == [b"", b"", END_SEQ, b""]
+        stats = pub.statistics()
+        assert stats.replay_errors == 1 and stats.replay_requests == 1
+        dealer.close(0)

@@ -1,13 +1,15 @@
-"""The KvIndex benchmark stays runnable: a tiny workload through every index section and the CLI."""
+"""``tokenspeed-router bench`` stays runnable: a tiny workload through every section and the CLI."""
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from tokenspeed_router.cli import main as cli_main
+from tokenspeed_router.percentiles import percentile
 from tokenspeed_router.router import bench
 
 
@@ -20,22 +22,29 @@ def test_workload_is_deterministic_and_consistent() -> None:
     assert all(len(q) == length for qs in a.queries.values() for length, items in qs.items() for q in items)
 
 
-def test_index_sections_on_a_tiny_workload() -> None:
+def test_sections_on_a_tiny_workload() -> None:
     wl = bench.build_workload(2, 4000, queries=3)
-    args = argparse.Namespace(repeat=1, clock="cpu")
     try:
-        index, res = bench.bench_index(wl, args)
+        index, ingest = bench.bench_ingest(wl, 500)
     finally:
-        gc.unfreeze()  # bench_index freezes the heap for stable timings
-    assert res["ingest"]["blocks_per_s"] > 0
+        gc.unfreeze()  # bench_ingest freezes the heap for stable timings
+    assert ingest["blocks_per_s"] > 0 and ingest["one_block_events_per_s"] > 0
     assert index.num_blocks() == wl.stored_blocks
-    assert res["memory"]["retained_bytes_per_block"] > 16
+    match = bench.bench_match(index, wl, repeat=1)
     # continuation queries hit deeper than the shared system prompt
-    assert res["match"]["continuation/8192"]["mean_best_blocks"] > 32
-    assert res["match"]["new_conversation/1024"]["mean_best_blocks"] == 32
-    assert bench.bench_one_block(wl, 500)["events"] == 500
+    assert match["continuation/8192"]["mean_best_blocks"] > 32
+    assert match["new_conversation/1024"]["mean_best_blocks"] == 32
+    route = bench.bench_route(index, wl, repeat=1, seed=1)
+    assert set(route["1024_tokens"]) == set(bench.POLICIES)
+    assert route["1024_tokens"]["round_robin"]["p50_vs_round_robin"] == 1.0
     removal = bench.bench_removal(index, wl)
     assert removal["blocks"] == removal["requested"] > 0
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 99) == 4.0
+    assert percentile([5.0], 1) == 5.0
 
 
 def test_cli_bench_writes_json(tmp_path: Path) -> None:
@@ -46,4 +55,14 @@ def test_cli_bench_writes_json(tmp_path: Path) -> None:
     )
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
-    assert rows[0]["workers"] == 2 and "dynamo" not in rows[0]
+    assert rows[0]["workers"] == 2
+    assert {"ingest", "match", "route", "removal"} <= set(rows[0])
+
+
+def test_cli_bench_rejects_zero_workers() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenspeed_router.cli", "bench", "--workers", "0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "tokenspeed-router bench: error: --workers must be at least 1, got 0"

@@ -390,7 +390,7 @@ def test_compaction_keeps_bytes_and_signed_ids_exact() -> None:
 
 
 def test_compaction_shrinks_memory_per_block() -> None:
-    from tokenspeed_router.router.bench import retained_bytes
+    from bench_index import retained_bytes  # benchmarks/ (counts the private tables)
 
     tokens = list(range(1000, 1000 + 16 * 4000))
     ids = [(i * 0x9E3779B97F4A7C15) % 2**64 for i in range(1, 4001)]

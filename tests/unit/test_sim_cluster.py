@@ -12,7 +12,7 @@ import pytest
 
 from tokenspeed_router.sim import cli_simulate
 from tokenspeed_router.sim.cluster import ClusterConfig, CostModel, Simulator
-from tokenspeed_router.sim.policies import OracleBackend, RouterBackend, probe_hit_tokens
+from tokenspeed_router.sim.policies import OracleBackend, RouterBackend
 from tokenspeed_router.sim.report import POLICY_ORDER, policy_metrics
 from tokenspeed_router.sim.runner import run_policies, run_policy
 from tokenspeed_router.sim.traces import TokenSynthesizer, TraceRequest
@@ -63,12 +63,12 @@ def test_probe_is_read_only() -> None:
     sim = Simulator(TINY_CLUSTER)
     cache = sim.prefill_workers()[0].cache
     tokens = TokenSynthesizer().tokens(TINY[2])
-    assert probe_hit_tokens(cache, tokens) == 0
+    assert cache.cached_prefix_length(tokens) == 0
     cache.admit(tokens[:64])
     cache.take_events()
     before = cache.statistics()
-    assert probe_hit_tokens(cache, tokens) == 64
-    assert probe_hit_tokens(cache, tokens[:40]) == 32
+    assert cache.cached_prefix_length(tokens) == 64
+    assert cache.cached_prefix_length(tokens[:40]) == 32
     assert cache.statistics() == before
     assert cache.take_events() == []
 

@@ -11,12 +11,6 @@ from tokenspeed_router.cache.eviction import (
     EVICTION_POLICIES,
     EvictionPolicy,
     EvictionStrategy,
-    FIFOStrategy,
-    FILOStrategy,
-    LFUStrategy,
-    LRUStrategy,
-    MRUStrategy,
-    PriorityStrategy,
     make_eviction_strategy,
 )
 from tokenspeed_router.cache.pages import PageAccounting, PagedKVAllocator, ReqToTokenPool
@@ -25,9 +19,6 @@ from tokenspeed_router.cache.records import CacheInitParams, CacheStatistics, Ma
 from tokenspeed_router.cache.sink import BatchPublisher, KvEventSink
 from tokenspeed_router.cache.tree import TreeNode
 
-#: The seed's name for the allocator type.
-KVAllocator = PagedKVAllocator
-
 __all__ = [
     "EVICTION_POLICIES",
     "BatchPublisher",
@@ -35,18 +26,11 @@ __all__ = [
     "CacheStatistics",
     "EvictionPolicy",
     "EvictionStrategy",
-    "FIFOStrategy",
-    "FILOStrategy",
-    "KVAllocator",
     "KvEventSink",
-    "LFUStrategy",
-    "LRUStrategy",
-    "MRUStrategy",
     "MatchResult",
     "PageAccounting",
     "PagedKVAllocator",
     "PrefixCache",
-    "PriorityStrategy",
     "Req",
     "ReqToTokenPool",
     "TreeNode",

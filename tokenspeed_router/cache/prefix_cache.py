@@ -1,6 +1,6 @@
 """Paged radix prefix cache for a worker's KV pages, publishing exact KV events.
 
-Written from the design of ``shared/seed/prefix_cache.py`` (TokenSpeed), with
+Written from the design of TokenSpeed's ``PrefixCache``, with
 its imports supplied by :mod:`.pages`, :mod:`.eviction`, :mod:`.tree` and
 :mod:`.records`, and its event bugs fixed:
 
@@ -227,9 +227,15 @@ class PrefixCache:
         splits nothing, so an observer (a simulator's oracle, a metrics probe)
         can look without changing what gets evicted next.
         """
+        return self.cached_prefix_pages(paginate(key, self.page_size))
+
+    def cached_prefix_pages(self, pages: list[PageKey]) -> int:
+        """:meth:`cached_prefix_length` of a key already cut into page keys (``paginate``).
+
+        For callers probing many caches with one prompt: cut it once per page size.
+        """
         if self.disable:
             return 0
-        pages = paginate(key, self.page_size)
         node = self.root_node
         i = 0
         while i < len(pages):

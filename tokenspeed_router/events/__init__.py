@@ -26,7 +26,7 @@ from tokenspeed_router.events.schema import (
     Event,
     KVEventBatch,
 )
-from tokenspeed_router.events.sequencing import SequenceTracker, Verdict, VerdictKind
+from tokenspeed_router.events.sequencing import SequenceTracker, VerdictKind
 from tokenspeed_router.events.subscriber import (
     BatchReceived,
     EventSubscriber,
@@ -60,7 +60,6 @@ __all__ = [
     "SubscriberGroup",
     "SubscriberItem",
     "SubscriberStatistics",
-    "Verdict",
     "VerdictKind",
     "ZmqEventPublisher",
     "decode_batch",

@@ -57,7 +57,11 @@ def validate_event(event: Event) -> None:
         if n > MAX_BLOCKS_PER_EVENT:
             raise WireError(f"BlockStored carries {n} blocks, limit {MAX_BLOCKS_PER_EVENT}")
         num_tokens = len(event.token_ids)
-        if not (n - 1) * event.block_size < num_tokens <= n * event.block_size:
+        if num_tokens == 0:
+            # Pre-hashed (a --hashes-only relay, DESIGN §12): the ids are content hashes.
+            if not all(type(h) is int for h in event.block_hashes):
+                raise WireError("BlockStored without token ids must carry integer content hashes")
+        elif not (n - 1) * event.block_size < num_tokens <= n * event.block_size:
             raise WireError(
                 f"BlockStored has {n} block hashes of size {event.block_size} "
                 f"but {num_tokens} token ids (expected {(n - 1) * event.block_size + 1}"

@@ -63,6 +63,8 @@ def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str |
             number = int(port)
         except ValueError as err:
             raise ValueError(f"tcp endpoint has a bad port {port!r}: {endpoint!r}") from err
+        if number + data_parallel_rank > 65535:
+            raise ValueError(f"{endpoint!r} + rank {data_parallel_rank} exceeds port 65535")
         return f"{base}:{number + data_parallel_rank}"
     raise ValueError(
         f"cannot offset {endpoint!r} for data-parallel rank {data_parallel_rank}: "

@@ -23,7 +23,7 @@ Our format (``.tslog`` by convention), version 1, little-endian::
   holds for logs written by one recorder on one clock.
 
 Also here: :func:`read_kvcap` for the ``.kvcap`` captures in
-``shared/captures/`` and :func:`open_event_source`, which turns our log, one
+``tests/data/captures/`` and :func:`open_event_source`, which turns our log, one
 capture file or a capture directory into the same stream of :class:`LogRecord`.
 :class:`EventLogReader` opens a ``.kvcap`` file too (recognised by its magic):
 it yields the same records as ``open_event_source`` does for that file (worker
@@ -436,7 +436,7 @@ _KVCAP_FRAME = struct.Struct("<I")
 
 
 def read_kvcap(path: str | os.PathLike[str]) -> Iterator[KvcapRecord]:
-    """Yield the records of a ``.kvcap`` capture (format in ``shared/captures/README.md``).
+    """Yield the records of a ``.kvcap`` capture (format in ``tests/data/captures/README.md``).
 
     A torn last record is dropped (the intact prefix is yielded); a bad
     magic raises :class:`EventLogError`.

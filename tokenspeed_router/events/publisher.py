@@ -17,6 +17,11 @@ contract of :meth:`ZmqEventPublisher.publish`:
   endpoint string; the replay ROUTER always binds, as in the engines;
 * ``close()`` sends every queued batch before closing the sockets.
 
+Two hooks serve the event relay (``tokenspeed_router.relay``): a
+``replay_source`` answers replay requests in place of the built-in ring (the
+relay adds a snapshot in front of its ring), and ``curve`` makes both sockets
+CURVE servers (the ZAP allow-list is installed on the context by the caller).
+
 Threading: zmq sockets are not thread safe, so one background thread creates,
 owns and closes the PUB and ROUTER sockets. Callers only touch a
 lock-protected deque and, when the thread is idle, a private inproc PAIR
@@ -33,10 +38,10 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal
+from typing import Literal, Protocol
 
 import msgspec
 import zmq
@@ -44,6 +49,7 @@ import zmq
 from tokenspeed_router.errors import ConfigError, PublishError, QueueFullError
 from tokenspeed_router.events._ratelimit import RateLimitedLog
 from tokenspeed_router.events.codec import WireFormat, encode_batch
+from tokenspeed_router.events.curve import CurveServerKeys
 from tokenspeed_router.events.frames import (
     END_SEQ,
     SEQ_BYTES,
@@ -54,7 +60,7 @@ from tokenspeed_router.events.frames import (
 )
 from tokenspeed_router.events.schema import Event, KVEventBatch
 
-__all__ = ["PublisherStatistics", "QueueFullPolicy", "ZmqEventPublisher"]
+__all__ = ["PublisherStatistics", "QueueFullPolicy", "ReplaySource", "ZmqEventPublisher"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +71,17 @@ _DRAIN_CHUNK = 256
 #: Safety net for the background thread's poll; it is normally woken explicitly.
 _IDLE_POLL_MS = 1000
 _STARTUP_TIMEOUT_S = 10.0
+
+
+class ReplaySource(Protocol):
+    """Answers replay requests instead of the publisher's own ring.
+
+    Called on the publisher's thread: must be thread safe and must not block
+    for long (live batches wait meanwhile). Returns ``(seq, payload)`` pairs in
+    increasing seq order, each ``>= start_seq``.
+    """
+
+    def replay_from(self, start_seq: int) -> Sequence[tuple[int, bytes]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +136,8 @@ class ZmqEventPublisher:
         queue_timeout_s: float = 5.0,
         hwm: int = 100_000,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        replay_source: ReplaySource | None = None,
+        curve: CurveServerKeys | None = None,
     ) -> None:
         _validate(wire_format, buffer_steps, max_queue_size, queue_full, queue_timeout_s, hwm)
         self._configured_endpoint = offset_endpoint_port(endpoint, dp_rank) or endpoint
@@ -132,6 +151,8 @@ class ZmqEventPublisher:
         self._queue_full: QueueFullPolicy = queue_full
         self._queue_timeout_s = queue_timeout_s
         self._hwm = hwm
+        self._replay_source = replay_source
+        self._curve = curve
 
         self._owns_context = context is None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = context if context is not None else zmq.Context()
@@ -222,6 +243,11 @@ class ZmqEventPublisher:
             payload = encode_batch(batch, self._wire_format)
         except Exception as err:  # msgspec raises TypeError/OverflowError/EncodeError
             raise PublishError(f"cannot encode KV event batch: {err}") from err
+        return self.publish_encoded(payload)
+
+    def publish_encoded(self, payload: bytes) -> int:
+        """:meth:`publish` for a batch the caller already encoded (the relay keeps
+        the very bytes in its own replay ring); ``payload`` is not checked."""
         with self._cond:
             self._wait_for_room()
             seq = self._next_seq
@@ -358,10 +384,12 @@ class ZmqEventPublisher:
             pub = self._ctx.socket(zmq.PUB)
             sockets.append(pub)
             pub.setsockopt(zmq.SNDHWM, self._hwm)
+            if self._curve is not None:
+                self._curve.apply(pub)
             if ipv6_endpoint(self._configured_endpoint):
                 pub.setsockopt(zmq.IPV6, 1)
             if self._bind:
-                pub.bind(self._configured_endpoint)
+                _bind_retrying(pub, self._configured_endpoint)
                 self._endpoint = _resolved(pub, self._configured_endpoint)
             else:
                 pub.connect(self._configured_endpoint)
@@ -370,10 +398,15 @@ class ZmqEventPublisher:
                 router = self._ctx.socket(zmq.ROUTER)
                 sockets.append(router)
                 router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                router.setsockopt(zmq.SNDHWM, 2 * (self._buffer_steps + 1))
+                # A reply must never be cut short: the ring (or a source's
+                # snapshot, of unknown size) fits below the high-water mark.
+                hwm = 0 if self._replay_source is not None else 2 * (self._buffer_steps + 1)
+                router.setsockopt(zmq.SNDHWM, hwm)
+                if self._curve is not None:
+                    self._curve.apply(router)
                 if ipv6_endpoint(self._configured_replay):
                     router.setsockopt(zmq.IPV6, 1)
-                router.bind(self._configured_replay)
+                _bind_retrying(router, self._configured_replay)
                 self._replay_endpoint = _resolved(router, self._configured_replay)
             wake = self._ctx.socket(zmq.PAIR)
             sockets.append(wake)
@@ -454,7 +487,17 @@ class ZmqEventPublisher:
                 continue
             identity, _, start_frame = frames
             start_seq = decode_seq(start_frame)
-            items = self._ring_from(start_seq)
+            try:
+                items = (
+                    self._ring_from(start_seq)
+                    if self._replay_source is None
+                    else self._replay_source.replay_from(start_seq)
+                )
+            except Exception:
+                with self._cond:
+                    self._replay_errors += 1
+                logger.exception("kv publisher %s: replay source failed from seq %d", self._endpoint, start_seq)
+                continue
             try:
                 for seq, payload in items:
                     router.send_multipart(
@@ -528,3 +571,27 @@ def _drain(sock: zmq.Socket[bytes]) -> None:
             sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return
+
+
+#: How long a bind to an explicit port waits for the port to come free. A
+#: restarted engine binds the endpoints its predecessor just closed; ZeroMQ
+#: releases a closed listener asynchronously (its I/O thread), so the first
+#: bind can see EADDRINUSE for a few milliseconds.
+BIND_RETRY_S = 5.0
+
+
+def _bind_retrying(sock: zmq.Socket[bytes], endpoint: str, retry_s: float = BIND_RETRY_S) -> None:
+    """Bind, retrying EADDRINUSE on an explicit port until ``retry_s`` passes."""
+    deadline = time.monotonic() + retry_s
+    delay_s = 0.005
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as err:
+            if err.errno != zmq.EADDRINUSE or time.monotonic() + delay_s > deadline:
+                raise
+            logger.debug("kv publisher: %s busy, retrying bind", endpoint)
+            time.sleep(delay_s)
+            delay_s = min(delay_s * 2, 0.2)
+

@@ -33,7 +33,10 @@ __all__ = [
     "KVEventBatch",
 ]
 
-#: An engine's opaque block id.
+#: An engine's opaque block id (its "external" id: vLLM and TokenSpeed send ints,
+#: vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 32-byte digests). Not our
+#: content hash (``tokenspeed_router.hashing.ContentHash``); the index maps one
+#: to the other per worker.
 BlockHash = int | bytes
 
 

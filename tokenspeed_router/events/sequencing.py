@@ -19,7 +19,7 @@ published as many batches as the old process, or the slow joiner lost its
 first ones). Otherwise (no payload given, or none remembered for that seq)
 only an exact repeat of the last seq counts as a duplicate. Replayed payloads
 are byte-identical to the live ones in every engine (see
-``shared/research/wire-formats.md`` §1), which is what makes the fingerprint
+``docs/wire-format.md``), which is what makes the fingerprint
 reliable; batches carry their publish time, so a new process does not repeat
 the bytes of an old one.
 

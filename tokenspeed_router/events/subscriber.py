@@ -25,7 +25,10 @@ present in both is delivered once; a live copy arriving after the replay is
 recognised by its bytes and dropped). Seqs that neither the replay nor the
 live stream supplied are lost only if the live stream has already passed
 them; a ring that ran ahead of a lagging SUB socket is not a loss, the live
-stream still brings those batches.
+stream still brings those batches. That merge is one pure function
+(``_merge_replay``: replayed and held messages in, deliveries and losses out);
+why a replay was asked for (:class:`ReplayPurpose`) decides only how its
+first hole and an empty answer are read.
 Both reply framings are accepted: vLLM/SGLang ``[b"", topic, seq, payload]``
 and TokenSpeed ``[b"", seq, payload]``, each with its end marker. Replays are
 asynchronous: ``poll``/``process_ready`` never wait for a reply longer than
@@ -70,10 +73,11 @@ delivered.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
 from typing import Final
@@ -83,6 +87,7 @@ import zmq
 from tokenspeed_router.errors import WireError
 from tokenspeed_router.events._ratelimit import RateLimitedLog
 from tokenspeed_router.events.codec import BatchDecoder
+from tokenspeed_router.events.curve import CurveClientKeys
 from tokenspeed_router.events.frames import (
     END_SEQ,
     SEQ_BYTES,
@@ -212,24 +217,114 @@ class _Message:
     replayed: bool
 
 
-_JOIN: Final = "join"  # first message was not seq 0 (slow joiner)
-_RESUME: Final = "resume"  # caller asked to start at start_seq
-_GAP: Final = "gap"
-_RESTART: Final = "restart"  # a restarted publisher's first message was not seq 0
-_VERIFY: Final = "verify"  # the connection came back: same process or a new one?
+class ReplayPurpose(enum.Enum):
+    """Why a replay was asked for: decides how its answer is merged."""
+
+    JOIN = "join"
+    """First contact: fetch what the publisher holds (or the first live seq was not 0)."""
+    RESUME = "resume"
+    """The caller asked to start at ``start_seq``."""
+    GAP = "gap"
+    """A live seq skipped ahead of the expected one."""
+    RESTART = "restart"
+    """A restarted publisher's first message seen was not seq 0."""
+    VERIFY = "verify"
+    """The connection came back: same publisher process or a new one?"""
 
 
 @dataclass(slots=True)
 class _Replay:
     start_seq: int
-    purpose: str
+    purpose: ReplayPurpose
     target_seq: int | None  # the live seq that triggered it (held, merged at the end)
     deadline: float  # time.monotonic()
     items: list[_Message]
 
 
+@dataclass(frozen=True, slots=True)
+class _Loss:
+    """Seqs ``[expected, got)`` neither the replay nor the live stream supplied.
+
+    ``reason`` None: history before a fresh subscription, not a loss to report.
+    """
+
+    expected: int
+    got: int
+    reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _MergePlan:
+    """What to do with a finished replay: deliver/skip ``steps`` in order."""
+
+    steps: list[_Message | _Loss]
+    held_consumed: int
+    """Leading held live messages merged (the caller drops them)."""
+    duplicates: int
+    """Of those, how many the replay also brought."""
+
+
+def _merge_replay(
+    start: int,
+    replayed: Sequence[_Message],
+    held: Sequence[_Message],
+    *,
+    fresh: bool,
+    failure: str | None,
+) -> _MergePlan:
+    """Merge a replay answer with the live messages held meanwhile (pure).
+
+    Replayed seqs >= ``start`` come first; held live messages are merged while
+    their seqs keep increasing (a drop is a restart during the replay, left to
+    the live path). A seq in both is delivered once. Walking the merged seqs in
+    order from ``start``, each hole becomes a :class:`_Loss`, except that a
+    hole past the newest live seq stops the walk: the ring ran ahead of a
+    lagging SUB socket and those seqs will still arrive live. ``fresh`` (the
+    very first connection) turns the first hole into history, not a loss.
+    """
+    merged: dict[int, _Message] = {}
+    for message in replayed:
+        if message.seq >= start:
+            merged.setdefault(message.seq, message)
+    previous = start - 1
+    newest_live: int | None = None
+    consumed = duplicates = 0
+    for message in held:
+        if message.seq <= previous:
+            break
+        consumed += 1
+        previous = newest_live = message.seq
+        if message.seq in merged:
+            duplicates += 1
+        else:
+            merged[message.seq] = message
+    first_replayed = replayed[0].seq if replayed else None
+    steps: list[_Message | _Loss] = []
+    expected = start
+    for seq in sorted(merged):
+        if seq > expected:
+            if newest_live is not None and expected > newest_live:
+                break
+            steps.append(_Loss(expected, seq, None if fresh else _loss_reason(seq, first_replayed, failure)))
+        fresh = False
+        steps.append(merged[seq])
+        expected = seq + 1
+    return _MergePlan(steps, consumed, duplicates)
+
+
+def _loss_reason(seq: int, first_replayed: int | None, failure: str | None) -> str:
+    if failure is not None:
+        return failure
+    if first_replayed is None or seq <= first_replayed:
+        return RESYNC_RING_EXHAUSTED
+    return RESYNC_REPLAY_INCOMPLETE
+
+
 class EventSubscriber:
     """Follow one publisher; see the module docstring for the guarantees.
+
+    ``curve`` makes the SUB and replay DEALER sockets CURVE clients of a
+    publisher that is a CURVE server (the relay's ``--curve-*``).
 
     ``poll(timeout_s)`` waits up to ``timeout_s`` and returns the items ready
     (possibly none); ``process_ready()`` never waits. ``context`` is borrowed
@@ -247,6 +342,7 @@ class EventSubscriber:
         replay_timeout_s: float = 2.0,
         max_payload_bytes: int = 64 << 20,
         start_seq: int | None = None,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         if replay_timeout_s <= 0:
             raise ValueError(f"replay_timeout_s must be > 0, got {replay_timeout_s}")
@@ -260,6 +356,7 @@ class EventSubscriber:
         self._topic = topic.encode()
         self._replay_timeout_s = replay_timeout_s
         self._max_payload_bytes = max_payload_bytes
+        self._curve = curve
         self._owns_context = context is None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = context if context is not None else zmq.Context()
 
@@ -269,6 +366,8 @@ class EventSubscriber:
         if ipv6_endpoint(endpoint):
             self._sub.setsockopt(zmq.IPV6, 1)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        if curve is not None:
+            curve.apply(self._sub)
         self._sub.connect(endpoint)
         self._dealer: zmq.Socket[bytes] | None = None
 
@@ -392,7 +491,7 @@ class EventSubscriber:
         if self._verify_pending and self._replay is None:
             self._verify_pending = False
             if self._joined and self._tracker.last_seq is not None:
-                self._start_replay(0, _VERIFY, None, out)
+                self._start_replay(0, ReplayPurpose.VERIFY, None, out)
         self._pump_replay(out)
         self._drain_held(out)
         for _ in range(_MAX_MESSAGES_PER_CALL):
@@ -532,22 +631,10 @@ class EventSubscriber:
             self._on_live(self._held.popleft(), out)
 
     def _on_live(self, message: _Message, out: list[SubscriberItem]) -> None:
-        tracker = self._tracker
         if not self._joined:
-            self._joined = True
-            if message.seq != 0:
-                if self._replay_endpoint is not None:
-                    self._held.appendleft(message)
-                    self._start_replay(0, _JOIN, message.seq, out)
-                    return
-                logger.info(
-                    "kv subscriber worker=%s: first seq seen is %d and there is no replay "
-                    "endpoint; starting there", self._worker, message.seq,
-                )
-                tracker.jump_to(message.seq)
-            self._deliver(message, out)
+            self._on_first_live(message, out)
             return
-        verdict = tracker.classify(message.seq, message.payload)
+        verdict = self._tracker.classify(message.seq, message.payload)
         kind = verdict.kind
         if kind is VerdictKind.IN_ORDER:
             self._deliver(message, out)
@@ -556,15 +643,38 @@ class EventSubscriber:
         elif kind is VerdictKind.GAP:
             self._gaps += 1
             expected = verdict.expected if verdict.expected is not None else message.seq
-            if self._replay_endpoint is not None:
-                self._held.appendleft(message)
-                self._start_replay(expected, _GAP, message.seq, out)
-            else:
-                self._resync(out, expected, message.seq, RESYNC_NO_REPLAY)
-                tracker.jump_to(message.seq)
-                self._deliver(message, out)
+            self._replay_or_resync(message, expected, ReplayPurpose.GAP, out)
         else:  # RESTART
             self._on_restart(message, verdict.last, verdict.expected, out)
+
+    def _on_first_live(self, message: _Message, out: list[SubscriberItem]) -> None:
+        """The first message of a stream not joined yet (no catch-up replay answered)."""
+        self._joined = True
+        if message.seq == 0:
+            self._deliver(message, out)
+        elif self._replay_endpoint is not None:
+            self._held.appendleft(message)
+            self._start_replay(0, ReplayPurpose.JOIN, message.seq, out)
+        else:
+            logger.info(
+                "kv subscriber worker=%s: first seq seen is %d and there is no replay "
+                "endpoint; starting there", self._worker, message.seq,
+            )
+            self._tracker.jump_to(message.seq)
+            self._deliver(message, out)
+
+    def _replay_or_resync(
+        self, message: _Message, expected: int, purpose: ReplayPurpose, out: list[SubscriberItem]
+    ) -> None:
+        """Seqs ``[expected, message.seq)`` are missing: replay them (holding
+        ``message``), or without a replay endpoint report them lost and go on."""
+        if self._replay_endpoint is not None:
+            self._held.appendleft(message)
+            self._start_replay(expected, purpose, message.seq, out)
+            return
+        self._resync(out, expected, message.seq, RESYNC_NO_REPLAY)
+        self._tracker.jump_to(message.seq)
+        self._deliver(message, out)
 
     def _on_restart(
         self,
@@ -584,13 +694,8 @@ class EventSubscriber:
         self._tracker.jump_to(0)
         if message.seq == 0:
             self._deliver(message, out)
-        elif self._replay_endpoint is not None:
-            self._held.appendleft(message)
-            self._start_replay(0, _RESTART, message.seq, out)
         else:
-            self._resync(out, 0, message.seq, RESYNC_NO_REPLAY)
-            self._tracker.jump_to(message.seq)
-            self._deliver(message, out)
+            self._replay_or_resync(message, 0, ReplayPurpose.RESTART, out)
 
     def _deliver(self, message: _Message, out: list[SubscriberItem]) -> None:
         # Every delivered batch (live or replayed) is remembered by fingerprint:
@@ -626,13 +731,13 @@ class EventSubscriber:
         if self._replay_endpoint is None:
             return
         if self._start_seq is not None:
-            self._start_replay(self._start_seq, _RESUME, None, out)
+            self._start_replay(self._start_seq, ReplayPurpose.RESUME, None, out)
         else:
             self._joined = True  # live messages are held, then merged with the replay
-            self._start_replay(0, _JOIN, None, out)
+            self._start_replay(0, ReplayPurpose.JOIN, None, out)
 
     def _start_replay(
-        self, start_seq: int, purpose: str, target_seq: int | None, out: list[SubscriberItem]
+        self, start_seq: int, purpose: ReplayPurpose, target_seq: int | None, out: list[SubscriberItem]
     ) -> None:
         self._replay_requests += 1
         self._replay = _Replay(
@@ -661,6 +766,8 @@ class EventSubscriber:
             dealer.setsockopt(zmq.RCVHWM, 0)  # a full ring must never be cut short
             if ipv6_endpoint(self._replay_endpoint):
                 dealer.setsockopt(zmq.IPV6, 1)
+            if self._curve is not None:
+                self._curve.apply(dealer)
             dealer.connect(self._replay_endpoint)
             self._dealer = dealer
         return self._dealer
@@ -702,61 +809,35 @@ class EventSubscriber:
         replay = self._replay
         assert replay is not None
         self._replay = None
-        if replay.purpose == _VERIFY and not self._verified_restart(replay, failure, out):
+        if replay.purpose is ReplayPurpose.VERIFY and not self._verified_restart(replay, failure, out):
             return  # same process (or nothing to tell): held messages go the live way
-        start = replay.start_seq
-        merged: dict[int, _Message] = {}
-        for message in replay.items:
-            if message.seq >= start:
-                merged.setdefault(message.seq, message)
-        # The held live messages are merged while they keep increasing; a drop
-        # (a restart during the replay) is left to the live path.
-        previous = start - 1
-        newest_live: int | None = None
-        held = self._held
-        while held and held[0].seq > previous:
-            message = held.popleft()
-            previous = newest_live = message.seq
-            if message.seq in merged:
-                self._duplicates += 1
-            else:
-                merged[message.seq] = message
-        tracker = self._tracker
-        if replay.purpose == _JOIN and not merged:
+        plan = _merge_replay(
+            replay.start_seq, replay.items, self._held,
+            fresh=replay.purpose is ReplayPurpose.JOIN,  # very first connection: old history is no loss
+            failure=failure,
+        )
+        for _ in range(plan.held_consumed):
+            self._held.popleft()
+        self._duplicates += plan.duplicates
+        if replay.purpose is ReplayPurpose.JOIN and not plan.steps:
             # Nothing yet (empty ring, or no answer): the first live seq decides.
             self._joined = False
-            tracker.reset()
+            self._tracker.reset()
             return
-        tracker.jump_to(start)
-        first_replayed = replay.items[0].seq if replay.items else None
-        fresh = replay.purpose == _JOIN  # very first connection: no resync for old history
-        for seq in sorted(merged):
-            expected = tracker.expected_seq
-            assert expected is not None
-            if seq > expected:
-                if newest_live is not None and expected > newest_live:
-                    # The ring ran ahead of the live stream and does not reach back
-                    # to it: the missing seqs may still arrive live. Stop here; the
-                    # rest of the replay will come live too (or trigger a new replay).
-                    break
-                if fresh:
-                    logger.info(
-                        "kv subscriber worker=%s: history before seq %d is gone "
-                        "(fresh subscription to a running publisher; replay: %s)",
-                        self._worker, seq, failure or "answered",
-                    )
-                else:
-                    if failure is not None:
-                        reason = failure
-                    elif first_replayed is None or seq <= first_replayed:
-                        reason = RESYNC_RING_EXHAUSTED
-                    else:
-                        reason = RESYNC_REPLAY_INCOMPLETE
-                    self._resync(out, expected, seq, reason)
-                tracker.jump_to(seq)
-            fresh = False
-            self._deliver(merged[seq], out)
-
+        self._tracker.jump_to(replay.start_seq)
+        for step in plan.steps:
+            if isinstance(step, _Message):
+                self._deliver(step, out)
+                continue
+            if step.reason is None:
+                logger.info(
+                    "kv subscriber worker=%s: history before seq %d is gone "
+                    "(fresh subscription to a running publisher; replay: %s)",
+                    self._worker, step.got, failure or "answered",
+                )
+            else:
+                self._resync(out, step.expected, step.got, step.reason)
+            self._tracker.jump_to(step.got)
 
     def _verified_restart(
         self, replay: _Replay, failure: str | None, out: list[SubscriberItem]
@@ -787,6 +868,9 @@ class EventSubscriber:
 
 class SubscriberGroup:
     """Poll many subscribers at once (one zmq poller over all their sockets).
+
+    The server's ingestion thread polls its streams through one group (with
+    its connection monitors as extra ``watch`` sockets, see :meth:`poll_with`).
 
     Items of one worker keep their order; items of different workers are
     interleaved in the order their sockets were found ready.
@@ -821,13 +905,28 @@ class SubscriberGroup:
 
     def poll(self, timeout_s: float) -> list[SubscriberItem]:
         """Wait up to ``timeout_s`` for any subscriber, then return all ready items."""
+        return self.poll_with(timeout_s)[0]
+
+    def poll_with(
+        self,
+        timeout_s: float,
+        watch: Sequence[zmq.Socket[bytes]] = (),
+        on_error: Callable[[EventSubscriber], None] | None = None,
+    ) -> tuple[list[SubscriberItem], list[zmq.Socket[bytes]]]:
+        """:meth:`poll`, also watching the caller's own ``watch`` sockets (the
+        server's connection monitors): returns the items and the watched sockets
+        found readable. With ``on_error``, a subscriber whose
+        :meth:`EventSubscriber.process_ready` raises is reported (called inside
+        the ``except`` block) and the others go on; without it the error
+        propagates.
+        """
         out: list[SubscriberItem] = []
         subs = list(self._subs.values())
         for sub in subs:
             if sub.needs_processing():
-                out.extend(sub.process_ready())
+                self._process(sub, out, on_error)
         if out:
-            return out
+            return out, []
         poller = zmq.Poller()
         owners: dict[zmq.Socket[bytes], EventSubscriber] = {}
         wait_s = timeout_s
@@ -838,11 +937,28 @@ class SubscriberGroup:
             hint = sub.timeout_hint_s()
             if hint is not None:
                 wait_s = min(wait_s, hint)
-        ready = {owners[sock] for sock, _ in poller.poll(max(0, int(wait_s * 1000)))}
+        for sock in watch:
+            poller.register(sock, zmq.POLLIN)
+        ready_socks = [sock for sock, _ in poller.poll(max(0, int(wait_s * 1000)))]
+        ready = {owners[sock] for sock in ready_socks if sock in owners}
         for sub in subs:
             if sub in ready or sub.needs_processing():
-                out.extend(sub.process_ready())
-        return out
+                self._process(sub, out, on_error)
+        return out, [sock for sock in ready_socks if sock not in owners]
+
+    @staticmethod
+    def _process(
+        sub: EventSubscriber,
+        out: list[SubscriberItem],
+        on_error: Callable[[EventSubscriber], None] | None,
+    ) -> None:
+        if on_error is None:
+            out.extend(sub.process_ready())
+            return
+        try:
+            out.extend(sub.process_ready())
+        except Exception:
+            on_error(sub)
 
     def statistics(self) -> dict[str, SubscriberStatistics]:
         return {worker: sub.statistics() for worker, sub in self._subs.items()}

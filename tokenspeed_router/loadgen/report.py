@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from tokenspeed_router.loadgen.client import RequestRecord
-from tokenspeed_router.sim.report import percentile, write_results
+from tokenspeed_router.percentiles import percentile
+from tokenspeed_router.sim.report import write_results
 
 __all__ = ["format_runs_table", "summarize", "write_plots", "write_results"]
 

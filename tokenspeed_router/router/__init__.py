@@ -18,14 +18,13 @@ from tokenspeed_router.router.router import (
     WorkerInfo,
     WorkerRole,
 )
-from tokenspeed_router.router.scoring import ApproxPrefixStore, Policy, WorkerLoad
+from tokenspeed_router.router.scoring import Policy, WorkerLoad
 
 #: Policy names accepted by ``RouterConfig(policy=...)``.
 POLICY_NAMES: tuple[str, ...] = tuple(p.value for p in Policy)
 
 __all__ = [
     "POLICY_NAMES",
-    "ApproxPrefixStore",
     "IndexIngestor",
     "KvIndex",
     "LoadProvider",

@@ -1,70 +1,70 @@
-"""``tokenspeed-router bench``: KvIndex ingestion, matching, removal and memory.
+"""``tokenspeed-router bench``: KvIndex ingestion, matching, routing and removal speed.
 
 Run::
 
     tokenspeed-router bench                       # 8 and 64 workers, ~1M stored blocks
     tokenspeed-router bench --quick               # ~100k blocks, 8 workers (< 30 s)
     tokenspeed-router bench --workers 8 --blocks 1000000 --json out.json
-    tokenspeed-router bench --dynamo              # also NVIDIA Dynamo's RadixTree, same workload
-                                                  # (needs ai-dynamo-runtime: benchmarks/dynamo_compare.sh)
 
-Workload (fixed seed, DESIGN/issue 4): block size 16; 4 system prompts of
-512 tokens; conversations of 0.5k-40k tokens (log-uniform), each on one
-worker, starting with a system prompt and stored turn by turn (one
-BlockStored per turn, 8-256 blocks, parent = the previous turn's last block;
-turns of all conversations interleaved in time). External block ids are
-random u64 (engine-style opaque ids; identical for identical system-prompt
-blocks across workers, as Dynamo requires). Variants: the same conversations
-stored one block per event (as engines emit while decoding), one event per
-``apply`` call and 64 per call.
+Workload (fixed seed): block size 16; 4 system prompts of 512 tokens;
+conversations of 0.5k-40k tokens (log-uniform), each on one worker, starting
+with a system prompt and stored turn by turn (one BlockStored per turn, 8-256
+blocks, parent = the previous turn's last block; turns of all conversations
+interleaved in time). External block ids are random u64 (engine-style opaque
+ids; identical for identical system-prompt blocks across workers). The same
+turns are also stored one block per event, as engines emit while decoding.
 
-Reported: ingestion blocks/s and events/s; ``match`` p50/p99 in µs *with
-hashing* for 1k/8k/32k-token queries that continue a stored conversation
-(deep hit on one worker, system prompt on many) and for new conversations
-(system prompt only), for list and numpy token input; removal blocks/s;
-memory per stored block (bytes retained by the index, counted object by
-object, and the RSS delta of ingestion).
+Reported, per worker count: ingestion blocks/s and events/s (turn batches and
+one-block events); ``match`` p50/p99 in µs *with hashing* for 1k/8k/32k-token
+queries that continue a stored conversation (deep hit on one worker, the
+system prompt on many) and for new conversations (system prompt only);
+``Router.route`` p50/p99 per policy with ``IN_FLIGHT`` requests outstanding,
+and its ratio to ``round_robin`` (the cache-blind floor) measured in the same
+run; removal blocks/s; the RSS growth of ingestion per stored block.
 
-``--dynamo`` runs Dynamo's ``RadixTree`` (``ai-dynamo-runtime`` 1.6.1) in the
-same process on the same events (JSON, with ``tokens_hash`` precomputed by
-``compute_block_hash_for_seq`` as its publishers do — so Dynamo's ingestion
-excludes hashing while ours includes it) and queries (hashed with
-``compute_block_hash_for_seq``, then ``find_matches``), and prints ratios.
-
-Extension point: routing latency sections are added through
-:func:`register_section` (or a module named in ``OPTIONAL_SECTIONS`` exposing
-``bench_section(ctx) -> dict``); each gets the loaded index and the queries.
+Only public APIs are used (``KvIndex``, ``Router``). The lab version, with a
+side-by-side run of NVIDIA Dynamo's RadixTree, memory counted object by
+object and the uncompacted index, is ``benchmarks/bench_index.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import json
 import math
 import os
-import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.events.schema import BlockHash, BlockRemoved, BlockStored, KVEventBatch
+from tokenspeed_router.percentiles import percentile
 from tokenspeed_router.router.index import KvIndex
+from tokenspeed_router.router.router import Router, RouterConfig
 
 __all__ = [
-    "OPTIONAL_SECTIONS",
-    "BenchContext",
+    "IN_FLIGHT",
+    "POLICIES",
     "Workload",
     "add_arguments",
+    "ingest_events",
+    "now",
+    "print_rows",
+    "rss_bytes",
+    "time_matches",
     "build_workload",
-    "register_section",
+    "one_block_events",
+    "removal_batches",
     "run",
     "run_bench",
+    "time_routes",
 ]
 
 BLOCK = 16
@@ -73,21 +73,20 @@ VOCAB = 128_000
 SYSTEM_PROMPTS = 4
 SYSTEM_TOKENS = 512
 QUERY_LENGTHS = (1024, 8192, 32768)
-
-#: Modules tried at run time; each may expose ``bench_section(ctx) -> dict``
-#: (the routing helper's place to add routing latency without touching this file).
-OPTIONAL_SECTIONS: tuple[str, ...] = ("tokenspeed_router.router.bench_routing",)
-
-_SECTIONS: list[tuple[str, Callable[[BenchContext], dict[str, Any]]]] = []
+#: requests kept in flight while timing ``route`` (the oldest is released as
+#: each new one is routed), so the load terms work as in a busy server
+IN_FLIGHT = 256
+#: policies timed by the routing section; ``round_robin`` first (the baseline)
+POLICIES = ("round_robin", "least_loaded", "kv_aware", "approx")
 
 #: the clock every figure is measured with (``--clock``): process CPU time by
 #: default, because shared CI machines steal wall time unpredictably
 _now: Callable[[], float] = time.process_time
 
 
-def register_section(name: str, fn: Callable[[BenchContext], dict[str, Any]]) -> None:
-    """Add a section to every bench run (called after the index sections)."""
-    _SECTIONS.append((name, fn))
+def now() -> float:
+    """The clock chosen by ``--clock`` (for callers timing beside this module)."""
+    return _now()
 
 
 # --------------------------------------------------------------------- workload
@@ -114,15 +113,6 @@ class Workload:
     events: list[tuple[str, KVEventBatch]]
     stored_blocks: int
     queries: dict[str, dict[int, list[list[int]]]] = field(default_factory=dict)
-
-
-@dataclass
-class BenchContext:
-    """What an extra section gets: the loaded index, the workload, the CLI args."""
-
-    index: KvIndex
-    workload: Workload
-    args: argparse.Namespace
 
 
 def build_workload(workers: int, blocks: int, seed: int = SEED, queries: int = 100) -> Workload:
@@ -226,147 +216,101 @@ def one_block_events(wl: Workload, limit: int) -> list[tuple[str, KVEventBatch]]
 # ------------------------------------------------------------------ measuring
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _lat_us(seconds: list[float]) -> dict[str, float]:
+    return {"p50_us": round(percentile(seconds, 50) * 1e6, 1), "p99_us": round(percentile(seconds, 99) * 1e6, 1)}
 
 
-def retained_bytes(index: KvIndex) -> int:
-    """Bytes the index keeps alive: its dicts and sets plus every distinct int in them.
-
-    Small ints (-5..256) are interpreter singletons and cost nothing; the
-    worker bit masks are shared objects and counted once.
-    """
-    seen: set[int] = set()
-    total = 0
-
-    def obj(o: Any) -> None:
-        nonlocal total
-        if type(o) is int and -5 <= o <= 256:
-            return
-        i = id(o)
-        if i not in seen:
-            seen.add(i)
-            total += sys.getsizeof(o)
-
-    holders = index._holders
-    total += sys.getsizeof(holders)
-    for k, v in holders.items():
-        obj(k)
-        obj(v)
-    for ws in index._workers.values():
-        maps: tuple[dict[Any, int], ...] = (ws.ext, ws.tiers, ws.refs)
-        for d in maps:
-            total += sys.getsizeof(d)
-            for key, val in d.items():
-                obj(key)
-                obj(val)
-        if ws.cold is not None:
-            total += ws.cold.nbytes
-        total += sys.getsizeof(ws.unm)
-        for k in ws.unm:
-            obj(k)
-    return total
+def rss_bytes() -> int | None:
+    """Resident set size in bytes (Linux ``/proc``; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
 
 
-def _pct(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(p / 100 * len(s)) - 1))]
+def ingest_events(events: Sequence[tuple[str, KVEventBatch]]) -> tuple[KvIndex, float]:
+    index = KvIndex()
+    apply = index.apply
+    t = _now()
+    for name, batch in events:
+        apply(name, batch)
+    return index, _now() - t
 
 
-def _lat(samples: list[float]) -> dict[str, float]:
-    return {"p50_us": round(_pct(samples, 50), 1), "p99_us": round(_pct(samples, 99), 1)}
-
-
-def _time_match(index: KvIndex, queries: list[Any], repeat: int) -> list[float]:
+def time_matches(index: KvIndex, queries: Sequence[Any], repeat: int) -> list[float]:
+    """Seconds per ``match`` call (hashing included), ``repeat`` passes."""
     out = []
     for _ in range(repeat):
         for q in queries:
             t = _now()
             index.match(q)
-            out.append((_now() - t) * 1e6)
+            out.append(_now() - t)
     return out
 
 
-def bench_index(wl: Workload, args: argparse.Namespace) -> tuple[KvIndex, dict[str, Any]]:
-    """Ingest, match, remove; returns the loaded index (before removal) and figures."""
-    res: dict[str, Any] = {
-        "workers": wl.workers,
-        "stored_blocks": wl.stored_blocks,
-        "events": len(wl.events),
-        "clock": args.clock,
-    }
+def time_routes(router: Router, queries: Sequence[Any], *, in_flight: int = IN_FLIGHT) -> list[float]:
+    """Seconds per ``route`` call, keeping ``in_flight`` requests outstanding."""
+    window: deque[str] = deque()
+    out: list[float] = []
+    for q in queries:
+        t0 = _now()
+        decision = router.route(q)
+        out.append(_now() - t0)
+        window.append(decision.request_id)
+        if len(window) > in_flight:
+            router.release(window.popleft())
+    return out
+
+
+def bench_ingest(wl: Workload, one_block_limit: int) -> tuple[KvIndex, dict[str, Any]]:
+    """Turn batches and one-block events; returns the loaded index."""
     gc.collect()
-    gc.freeze()
-    index = KvIndex()
-    rss0 = _rss()
-    t = _now()
-    apply = index.apply
-    for name, batch in wl.events:
-        apply(name, batch)
-    dt = _now() - t
-    rss1 = _rss()
-    assert index.num_blocks() == wl.stored_blocks, (index.num_blocks(), wl.stored_blocks)
-    res["ingest"] = {
-        "seconds": round(dt, 3),
+    gc.freeze()  # the workload is old-generation data in a long-running server
+    rss0 = rss_bytes()
+    index, dt = ingest_events(wl.events)
+    rss1 = rss_bytes()
+    if index.num_blocks() != wl.stored_blocks:
+        raise RuntimeError(f"index holds {index.num_blocks()} blocks, expected {wl.stored_blocks}")
+    res: dict[str, Any] = {
         "blocks_per_s": round(wl.stored_blocks / dt),
         "events_per_s": round(len(wl.events) / dt),
+        "rss_bytes_per_block": None if rss0 is None or rss1 is None else round((rss1 - rss0) / wl.stored_blocks, 1),
     }
-    kept = retained_bytes(index)
-    res["memory"] = {
-        "retained_bytes_per_block": round(kept / wl.stored_blocks, 1),
-        "rss_delta_bytes_per_block": round((rss1 - rss0) / wl.stored_blocks, 1),
-        "distinct_blocks": index.num_distinct_blocks(),
-    }
-    # The same ingestion without compaction (all external ids in dicts):
-    # faster writes, more memory; the operator's trade-off, measured alike.
-    plain = KvIndex(compact_min=sys.maxsize)
-    t = _now()
-    for name, batch in wl.events:
-        plain.apply(name, batch)
-    dt_plain = _now() - t
-    res["uncompacted"] = {
-        "ingest_blocks_per_s": round(wl.stored_blocks / dt_plain),
-        "retained_bytes_per_block": round(retained_bytes(plain) / wl.stored_blocks, 1),
-    }
-    del plain
-    # matching: hashing included, list and numpy input
-    match: dict[str, Any] = {}
-    for kind, by_len in wl.queries.items():
-        for length, qs in by_len.items():
-            _time_match(index, qs[:5], 1)  # warm up
-            lat = _lat(_time_match(index, qs, args.repeat))
-            nq = [np.asarray(q, dtype=np.int64) for q in qs]
-            lat_np = _lat(_time_match(index, nq, args.repeat))
-            depth = statistics.mean(max(index.match(q).values(), default=0) for q in qs[:50])
-            match[f"{kind}/{length}"] = {**lat, "numpy": lat_np, "mean_best_blocks": round(depth, 1)}
-    res["match"] = match
+    ones = one_block_events(wl, one_block_limit)
+    _, dt_one = ingest_events(ones)
+    res["one_block_events_per_s"] = round(len(ones) / dt_one)
     return index, res
 
 
-def bench_one_block(wl: Workload, limit: int) -> dict[str, Any]:
-    """One-block events (decode-time stores): per call, and 64 per batch."""
-    events = one_block_events(wl, limit)
-    out: dict[str, Any] = {"events": len(events)}
-    index = KvIndex()
-    t = _now()
-    for name, batch in events:
-        index.apply(name, batch)
-    dt = _now() - t
-    out["events_per_s"] = round(len(events) / dt)
-    # the same events, 64 per batch per worker (one scheduler round)
-    grouped: dict[str, list[Any]] = {}
-    for name, batch in events:
-        grouped.setdefault(name, []).extend(batch.events)
-    batches = [
-        (name, KVEventBatch(0.0, evs[i : i + 64])) for name, evs in grouped.items() for i in range(0, len(evs), 64)
-    ]
-    index = KvIndex()
-    t = _now()
-    for name, batch in batches:
-        index.apply(name, batch)
-    dt = _now() - t
-    out["batched64_events_per_s"] = round(len(events) / dt)
+def bench_match(index: KvIndex, wl: Workload, repeat: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind, by_len in wl.queries.items():
+        for length, qs in by_len.items():
+            time_matches(index, qs[:5], 1)  # warm up
+            lat = _lat_us(time_matches(index, qs, repeat))
+            best = [max(index.match(q).values(), default=0) for q in qs[:50]]
+            out[f"{kind}/{length}"] = {**lat, "mean_best_blocks": round(sum(best) / len(best), 1)}
+    return out
+
+
+def bench_route(index: KvIndex, wl: Workload, repeat: int, seed: int) -> dict[str, Any]:
+    """``route`` latency per policy on the loaded index, continuation queries."""
+    out: dict[str, Any] = {}
+    for length, qs in sorted(wl.queries["continuation"].items()):
+        row: dict[str, Any] = {}
+        base = None
+        for policy in POLICIES:
+            config = RouterConfig(policy=policy, seed=seed, request_id_prefix="bench")
+            router = Router(index if policy != "approx" else None, config)
+            for name in wl.names:
+                router.add_worker(name)
+            time_routes(router, qs)  # warm-up; also fills the approx store
+            lat = [t for _ in range(repeat) for t in time_routes(router, qs)]
+            p50 = percentile(lat, 50)
+            base = p50 if base is None else base
+            row[policy] = {**_lat_us(lat), "p50_vs_round_robin": round(p50 / base, 1) if base else None}
+        out[f"{length}_tokens"] = row
     return out
 
 
@@ -397,123 +341,6 @@ def bench_removal(index: KvIndex, wl: Workload) -> dict[str, Any]:
     return {"blocks": gone, "requested": count, "blocks_per_s": round(gone / dt)}
 
 
-# ----------------------------------------------------------------------- Dynamo
-
-
-def bench_dynamo(wl: Workload, one_block_limit: int, repeat: int) -> dict[str, Any]:
-    """Dynamo's RadixTree on the same workload (same process, same queries)."""
-    import msgspec
-    from dynamo.llm import RadixTree, compute_block_hash_for_seq
-
-    enc = msgspec.json.encode
-    wid = {name: i for i, name in enumerate(wl.names)}
-
-    def stored_json(ev: BlockStored, event_id: int) -> bytes:
-        local = compute_block_hash_for_seq(ev.token_ids, BLOCK)
-        blocks = [{"block_hash": e, "tokens_hash": h} for e, h in zip(ev.block_hashes, local, strict=True)]
-        data = {"stored": {"parent_hash": ev.parent_block_hash, "blocks": blocks}}
-        return enc({"event_id": event_id, "data": data, "dp_rank": 0})
-
-    res: dict[str, Any] = {"version": _dynamo_version()}
-    payloads = [(wid[n], stored_json(_stored_of(b), i)) for i, (n, b) in enumerate(wl.events)]
-    gc.collect()
-    tree = RadixTree()
-    rss0 = _rss()
-    t = _now()
-    for w, p in payloads:
-        tree.apply_event(w, p)
-    tree.find_matches([1])  # the tree runs on its own thread: wait for it to drain
-    dt = _now() - t
-    rss1 = _rss()
-    del payloads
-    res["ingest"] = {
-        "seconds": round(dt, 3),
-        "blocks_per_s": round(wl.stored_blocks / dt),
-        "events_per_s": round(len(wl.events) / dt),
-    }
-    res["memory"] = {"rss_delta_bytes_per_block": round((rss1 - rss0) / wl.stored_blocks, 1)}
-    match: dict[str, Any] = {}
-    for kind, by_len in wl.queries.items():
-        for length, qs in by_len.items():
-            hash_us: list[float] = []
-            find_us: list[float] = []
-            total_us: list[float] = []
-            for _ in range(repeat):
-                for q in qs:
-                    t0 = _now()
-                    hs = compute_block_hash_for_seq(q, BLOCK)
-                    t1 = _now()
-                    tree.find_matches(hs)
-                    t2 = _now()
-                    hash_us.append((t1 - t0) * 1e6)
-                    find_us.append((t2 - t1) * 1e6)
-                    total_us.append((t2 - t0) * 1e6)
-            match[f"{kind}/{length}"] = {**_lat(total_us), "hash": _lat(hash_us), "find_matches": _lat(find_us)}
-    res["match"] = match
-    batches, _count = removal_batches(wl, 0.2)
-    ids = [_removed_ids(b) for _, b in batches]
-    rem = [
-        (wid[n], enc({"event_id": i, "data": {"removed": {"block_hashes": ids[i]}}, "dp_rank": 0}))
-        for i, (n, _b) in enumerate(batches)
-    ]
-    removed = sum(map(len, ids))
-    t = _now()
-    for w, p in rem:
-        tree.apply_event(w, p)
-    tree.find_matches([1])
-    dt = _now() - t
-    res["removal"] = {"blocks": removed, "blocks_per_s": round(removed / dt)}
-    one = one_block_events(wl, one_block_limit)
-    ones = [(wid[n], stored_json(_stored_of(b), i)) for i, (n, b) in enumerate(one)]
-    tree = RadixTree()
-    t = _now()
-    for w, p in ones:
-        tree.apply_event(w, p)
-    tree.find_matches([1])
-    dt = _now() - t
-    res["one_block"] = {"events": len(ones), "events_per_s": round(len(ones) / dt)}
-    return res
-
-
-def _stored_of(batch: KVEventBatch) -> BlockStored:
-    ev = batch.events[0]
-    assert isinstance(ev, BlockStored)
-    return ev
-
-
-def _removed_ids(batch: KVEventBatch) -> list[BlockHash]:
-    ev = batch.events[0]
-    assert isinstance(ev, BlockRemoved)
-    return ev.block_hashes
-
-
-def _dynamo_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("ai-dynamo-runtime")
-    except Exception:
-        return "unknown"
-
-
-def _ratios(ours: dict[str, Any], dyn: dict[str, Any]) -> dict[str, Any]:
-    """Ours relative to Dynamo: >1 is better for throughputs, <1 is better for latency/memory."""
-    out: dict[str, Any] = {
-        "ingest_blocks_per_s": round(ours["ingest"]["blocks_per_s"] / dyn["ingest"]["blocks_per_s"], 2),
-        "one_block_events_per_s": round(ours["one_block"]["events_per_s"] / dyn["one_block"]["events_per_s"], 2),
-        "removal_blocks_per_s": round(ours["removal"]["blocks_per_s"] / dyn["removal"]["blocks_per_s"], 2),
-        "memory_per_block_retained_vs_rss": round(
-            ours["memory"]["retained_bytes_per_block"] / max(dyn["memory"]["rss_delta_bytes_per_block"], 1e-9), 2
-        ),
-    }
-    for key, m in ours["match"].items():
-        d = dyn["match"].get(key)
-        if d:
-            out[f"match_p50/{key}"] = round(m["p50_us"] / d["p50_us"], 2)
-            out[f"match_p50_numpy/{key}"] = round(m["numpy"]["p50_us"] / d["p50_us"], 2)
-    return out
-
-
 # ------------------------------------------------------------------------- CLI
 
 
@@ -534,11 +361,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cpu: process CPU time, all threads (default; robust on loaded machines); wall: perf_counter",
     )
     parser.add_argument("--quick", action="store_true", help="~100k blocks, 8 workers, few queries (< 30 s)")
-    parser.add_argument("--dynamo", action="store_true", help="also run Dynamo's RadixTree (ai-dynamo-runtime)")
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
 
 
 def _defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill unset sizes (``--quick`` picks the small ones) and reject impossible ones."""
     quick = bool(getattr(args, "quick", False))
     for name, full, small in (
         ("workers", [8, 64], [8]),
@@ -549,53 +376,45 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     ):
         if getattr(args, name, None) is None:
             setattr(args, name, small if quick else full)
-    for name, value in (("seed", SEED), ("dynamo", False), ("json", None), ("clock", "cpu")):
+    for name, value in (("seed", SEED), ("json", None), ("clock", "cpu")):
         if not hasattr(args, name):
             setattr(args, name, value)
+    if any(w < 1 for w in args.workers):
+        raise ConfigError(f"--workers must be at least 1, got {' '.join(map(str, args.workers))}")
+    for name in ("blocks", "queries", "repeat", "one_block_events"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     return args
 
 
 def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every configured section, for every worker count; returns the result rows."""
+    """Every section, for every worker count; returns the result rows."""
     global _now
     args = _defaults(args)
     _now = time.process_time if args.clock == "cpu" else time.perf_counter
     rows = []
     for workers in args.workers:
         wl = build_workload(workers, args.blocks, args.seed, args.queries)
-        index, res = bench_index(wl, args)
-        res["one_block"] = bench_one_block(wl, args.one_block_events)
-        ctx = BenchContext(index, wl, args)
-        for name, fn in _extra_sections():
-            res[name] = fn(ctx)
-        res["removal"] = bench_removal(index, wl)
-        del index, ctx
-        gc.unfreeze()
-        gc.collect()
-        if args.dynamo:
-            try:
-                res["dynamo"] = bench_dynamo(wl, args.one_block_events, args.repeat)
-                res["ratio_vs_dynamo"] = _ratios(res, res["dynamo"])
-            except ImportError as err:
-                res["dynamo"] = {"error": f"ai-dynamo-runtime not importable: {err}"}
+        try:
+            index, ingest = bench_ingest(wl, args.one_block_events)
+            res: dict[str, Any] = {
+                "workers": workers,
+                "stored_blocks": wl.stored_blocks,
+                "events": len(wl.events),
+                "clock": args.clock,
+                "ingest": ingest,
+                "match": bench_match(index, wl, args.repeat),
+                "route": bench_route(index, wl, args.repeat, args.seed),
+                "removal": bench_removal(index, wl),
+            }
+        finally:
+            gc.unfreeze()
+            gc.collect()
         rows.append(res)
     return rows
 
 
-def _extra_sections() -> list[tuple[str, Callable[[BenchContext], dict[str, Any]]]]:
-    out = list(_SECTIONS)
-    for module_name in OPTIONAL_SECTIONS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        fn = getattr(module, "bench_section", None)
-        if callable(fn):
-            out.append((module_name.rsplit(".", 1)[-1], fn))
-    return out
-
-
-def _print(rows: list[dict[str, Any]]) -> None:
+def print_rows(rows: list[dict[str, Any]]) -> None:
     for res in rows:
         print(
             f"== KvIndex, {res['workers']} workers, {res['stored_blocks']:,} stored blocks, "
@@ -603,50 +422,27 @@ def _print(rows: list[dict[str, Any]]) -> None:
         )
         ing = res["ingest"]
         print(f"ingest           {ing['blocks_per_s']:>12,} blocks/s  {ing['events_per_s']:>10,} events/s")
-        ob = res["one_block"]
-        print(
-            f"one-block events {ob['events_per_s']:>12,} events/s (1 per call)  "
-            f"{ob['batched64_events_per_s']:,} events/s (64 per call)"
-        )
+        print(f"one-block events {ing['one_block_events_per_s']:>12,} events/s")
         print(f"removal          {res['removal']['blocks_per_s']:>12,} blocks/s")
-        mem = res["memory"]
-        print(
-            f"memory           {mem['retained_bytes_per_block']:>12} B/block retained "
-            f"({mem['rss_delta_bytes_per_block']} B/block RSS delta)"
-        )
-        unc = res["uncompacted"]
-        print(
-            f"no compaction    {unc['ingest_blocks_per_s']:>12,} blocks/s ingest, "
-            f"{unc['retained_bytes_per_block']} B/block retained"
-        )
-        dyn = res.get("dynamo", {})
+        if ing["rss_bytes_per_block"] is not None:
+            print(f"memory           {ing['rss_bytes_per_block']:>12} B/block (RSS growth of ingestion)")
         for key, m in res["match"].items():
-            line = (
-                f"match {key:<24} p50 {m['p50_us']:>7.1f} µs  p99 {m['p99_us']:>7.1f} µs  "
-                f"(numpy p50 {m['numpy']['p50_us']:.1f})  best {m['mean_best_blocks']} blocks"
-            )
-            d = dyn.get("match", {}).get(key) if isinstance(dyn, dict) else None
-            if d:
-                line += f"  | dynamo hash+find p50 {d['p50_us']:.1f} µs ({d['hash']['p50_us']:.1f}+{d['find_matches']['p50_us']:.1f})"
-            print(line)
-        if "error" in dyn:
-            print(f"dynamo: {dyn['error']}")
-        elif dyn:
             print(
-                f"dynamo {dyn['version']}: ingest {dyn['ingest']['blocks_per_s']:,} blocks/s, "
-                f"one-block {dyn['one_block']['events_per_s']:,} events/s, removal "
-                f"{dyn['removal']['blocks_per_s']:,} blocks/s, memory {dyn['memory']['rss_delta_bytes_per_block']} B/block (RSS)"
+                f"match {key:<24} p50 {m['p50_us']:>7.1f} µs  p99 {m['p99_us']:>7.1f} µs  "
+                f"best {m['mean_best_blocks']} blocks"
             )
-            print("ratio ours/dynamo:", json.dumps(res["ratio_vs_dynamo"], indent=None))
-        for key, value in res.items():
-            if key not in {"workers", "stored_blocks", "events", "ingest", "one_block", "removal", "memory", "match", "dynamo", "ratio_vs_dynamo", "clock", "uncompacted"}:
-                print(f"{key}: {json.dumps(value)}")
+        for length, row in res["route"].items():
+            for policy, m in row.items():
+                print(
+                    f"route {length:<13} {policy:<12} p50 {m['p50_us']:>7.1f} µs  p99 {m['p99_us']:>7.1f} µs  "
+                    f"({m['p50_vs_round_robin']}x round_robin)"
+                )
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``tokenspeed-router bench``."""
     rows = run_bench(args)
-    _print(rows)
+    print_rows(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "kv_index", "seed": args.seed, "rows": rows}, f, indent=2)
@@ -655,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m tokenspeed_router.router.bench``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

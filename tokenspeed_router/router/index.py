@@ -697,7 +697,13 @@ class KvIndex:
                 n = len(ev.block_hashes)
                 bs = ev.block_size
                 num = len(ev.token_ids)
-                if n == 0 or bs <= 0 or not (n - 1) * bs < num <= n * bs:
+                if num == 0 and n and bs > 0:
+                    # Pre-hashed (a --hashes-only relay): the ids are content hashes.
+                    if not all(type(e) is int and -(1 << 63) <= e <= _M64 for e in ev.block_hashes):
+                        raise WireError(
+                            f"worker {ws.name!r}: BlockStored without token ids needs u64 content hashes"
+                        )
+                elif n == 0 or bs <= 0 or not (n - 1) * bs < num <= n * bs:
                     raise WireError(
                         f"worker {ws.name!r}: BlockStored with {n} hashes of block size "
                         f"{bs} carries {num} token ids"
@@ -754,12 +760,13 @@ class KvIndex:
         ebs = ev.block_size
         xk = ev.extra_keys
         dumped = type(xk) is dict and DUMP_CONTENT_KEY in xk
+        prehashed = num == 0  # --hashes-only relay: block_hashes are content hashes
         if bs is None:
             self._set_block_size(ws, ebs)
             bs = ebs
         elif (
             ebs != bs
-            and (dumped or not (n == 1 and ebs < bs and num < bs))
+            and (dumped or prehashed or not (n == 1 and ebs < bs and num < bs))
             and _ext_len(ws) <= len(ws.unm)
         ):
             # The worker holds no matchable block (``_ext_len == len(unm)`` means
@@ -785,6 +792,8 @@ class KvIndex:
             cs = [int(c) & _M64 for c in xk[DUMP_CONTENT_KEY]]
             for i in xk.get(DUMP_UNMATCHABLE_KEY, ()):
                 cs[i] = ~cs[i]
+        elif prehashed:
+            cs = [int(e) & _M64 for e in hashes]
         else:
             if ebs != bs and not (n == 1 and num < bs):
                 # Another block grid (e.g. vLLM's partial-block events): keep the

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenspeed_router.errors import ConfigError, NoWorkerAvailableError
+from tokenspeed_router.hashing import ContentHash
 from tokenspeed_router.router.index import lora_key
 from tokenspeed_router.router.scoring import (
     ApproxPrefixStore,
@@ -110,7 +111,7 @@ class RouterConfig:
     costs later requests and a second copy in another cache), plus a small
     pull towards workers holding less live KV; routed prompts are remembered
     for 15 s so siblings co-locate before the engine's events arrive. Both
-    settings were measured on the Mooncake traces (README.md, "Simulation").
+    settings were measured on the Mooncake traces (docs/simulation.md).
     """
 
     #: One of :class:`Policy` (a plain string such as ``"round_robin"`` works).
@@ -482,7 +483,7 @@ class Router:
         policy = self._policy
 
         known: dict[str, _Known] = {}
-        hashes: list[int] | None = None
+        hashes: list[ContentHash] | None = None
         if policy in (Policy.KV_AWARE, Policy.APPROX):
             known, hashes = self._knowledge(token_ids, lora_id, salt, now)
 
@@ -652,7 +653,7 @@ class Router:
 
     def _knowledge(
         self, token_ids: Any, lora_id: int | str | None, salt: str | bytes | None, now: float
-    ) -> tuple[dict[str, _Known], list[int] | None]:
+    ) -> tuple[dict[str, _Known], list[ContentHash] | None]:
         """Matched prefix per routable worker: index, approximate store, or both."""
         workers = self._workers
         weights = self._weights
@@ -675,7 +676,7 @@ class Router:
                 else:
                     credit = credited_tokens(blocks, bs, t, weights)
                 known[name] = _Known(blocks, bs, credit)
-        hashes: list[int] | None = None
+        hashes: list[ContentHash] | None = None
         predicted = self._predicted
         if approx_names or predicted is not None:
             hashes = self._approx.hash_prompt(token_ids, lora_key(lora_id), salt)
@@ -768,7 +769,7 @@ class Router:
         self._inflight[request_id] = entry
         self._expiry.append(entry)
 
-    def _remember(self, hashes: list[int], chosen: tuple[str, ...], now: float) -> None:
+    def _remember(self, hashes: list[ContentHash], chosen: tuple[str, ...], now: float) -> None:
         """Record the routed prompt for workers whose knowledge comes from memory."""
         approx_all = self._policy is Policy.APPROX
         for name in dict.fromkeys(chosen):

@@ -17,8 +17,8 @@ prefill one token)::
 
 ``gpu/cpu/storage(w)`` are the leading blocks of the prompt that ``w`` holds,
 attributed to their best tier, and ``bs(w)`` is its block size. The first two
-terms are "queue + own prefill", the estimate the trace study in
-``shared/traces/README.md`` found best on both Mooncake traces; without the
+terms are "queue + own prefill", the estimate a study of the Mooncake traces
+found best on both of them (docs/routing.md); without the
 queue term every request of the conversation trace (they all share block 0)
 lands on one worker. The default ``prefill_weight`` is 2.5: the simulator's runs
 on both traces showed that valuing a cached token above a queued one keeps a
@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tokenspeed_router.hashing import block_hashes
+from tokenspeed_router.hashing import ContentHash, block_hashes
 
 __all__ = [
     "ApproxPrefixStore",
@@ -47,17 +47,12 @@ __all__ = [
     "MatchDetailLike",
     "Policy",
     "PrefixIndex",
-    "TIERS",
     "WorkerLoad",
     "credited_tokens",
     "pick_lowest",
     "sample_softmax",
     "worker_cost",
 ]
-
-#: Storage tiers, best first (the index attributes a block to its best tier).
-TIERS = ("gpu", "cpu", "storage")
-
 
 class Policy(str, enum.Enum):
     """Routing policies; all share one interface and the same in-flight tracking."""
@@ -134,14 +129,18 @@ class WorkerLoad:
 
 @dataclass(frozen=True, slots=True)
 class CostWeights:
-    """The weights of :func:`worker_cost` (see the module docstring); defaults as ``RouterConfig``."""
+    """The weights of :func:`worker_cost` (see the module docstring).
 
-    prefill_weight: float = 2.5
-    queue_weight: float = 1.0
-    decode_weight: float = 0.05
-    request_weight: float = 0.0
-    cpu_hit_credit: float = 0.75
-    storage_hit_credit: float = 0.25
+    No defaults here: the shipped values live on ``RouterConfig`` only, and
+    ``RouterConfig.weights()`` builds this struct from them.
+    """
+
+    prefill_weight: float
+    queue_weight: float
+    decode_weight: float
+    request_weight: float
+    cpu_hit_credit: float
+    storage_hit_credit: float
 
 
 def credited_tokens(
@@ -268,7 +267,7 @@ class ApproxPrefixStore:
 
     def hash_prompt(
         self, token_ids: Any, lora_id: int | None = None, salt: str | bytes | None = None
-    ) -> list[int]:
+    ) -> list[ContentHash]:
         """Chained content hashes of the prompt's full blocks (hash once, reuse)."""
         return block_hashes(token_ids, self._block_size, lora_id=lora_id, salt=salt)
 

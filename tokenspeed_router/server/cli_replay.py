@@ -271,6 +271,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--speed must be positive, got {args.speed}")
     if not Path(args.file).exists():
         raise ConfigError(f"{args.file}: no such file or directory")
+    if args.queries and args.queries != "-" and not Path(args.queries).is_file():
+        # Checked up front: a long replay must not end in "file not found".
+        raise ConfigError(f"--queries {args.queries}: no such file")
     config = config_from_args(args, workers=(), record=None, state=None)
     try:
         first_s, total, truncated = _first_time(args.file)

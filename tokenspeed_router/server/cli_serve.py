@@ -64,8 +64,8 @@ def add_listener_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker", action="append", metavar="SPEC",
-        help="name=NAME,events=ENDPOINT[,replay=ENDPOINT][,role=prefill|decode|both][,dp_ranks=N][,topic=T] "
-        "(repeatable; env TOKENSPEED_ROUTER_WORKER(S)='spec;spec'; TOML [[worker]])",
+        help="name=NAME,events=ENDPOINT[,replay=ENDPOINT][,role=prefill|decode|both][,dp_ranks=N][,topic=T]"
+        "[,curve_server_key=RELAY.key,curve_key=OWN.key_secret] (repeatable; env TOKENSPEED_ROUTER_WORKER(S)='spec;spec'; TOML [[worker]])",
     )
     parser.add_argument("--config", metavar="FILE", help="TOML config file (env TOKENSPEED_ROUTER_CONFIG)")
     parser.add_argument("--state", metavar="URL", help="shared state backend, e.g. redis://127.0.0.1:6379/0")

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.events.curve import CurveClientKeys
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -65,7 +66,7 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 ENV_PREFIX = "TOKENSPEED_ROUTER_"
 
 #: keys a worker spec accepts (``--worker k=v,...``, a ``[[workers]]`` table, PUT /workers body)
-WORKER_KEYS = ("name", "events", "replay", "role", "dp_ranks", "topic")
+WORKER_KEYS = ("name", "events", "replay", "role", "dp_ranks", "topic", "curve_server_key", "curve_key")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
 _TCP_RE = re.compile(r"^tcp://(?P<host>\[[^\]\s]+\]|[^:/\[\]\s]+):(?P<port>\d+|\*)$")
 MAX_DP_RANKS = 1024
@@ -193,11 +194,18 @@ class SubscriberSpec:
     replay: str | None
     topic: str
     role: Role
+    curve: CurveClientKeys | None = None
+    """CURVE client keys when the publisher (a relay) is a CURVE server."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerSpec:
-    """A configured worker: ``name=...,events=...,replay=...,role=...,dp_ranks=N,topic=...``."""
+    """A configured worker: ``name=...,events=...,replay=...,role=...,dp_ranks=N,topic=...``.
+
+    ``curve_server_key=FILE`` (the relay's public certificate) and
+    ``curve_key=FILE`` (this router's secret certificate, ``NAME.key_secret``)
+    subscribe over ZeroMQ CURVE, to a relay started with ``--curve-*``.
+    """
 
     name: str
     events: str
@@ -205,6 +213,8 @@ class WorkerSpec:
     role: Role = "both"
     dp_ranks: int = 1
     topic: str = ""
+    curve_server_key: str | None = None
+    curve_key: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -226,7 +236,12 @@ class WorkerSpec:
             raise ConfigError(f"{what}: topic must be a string, got {self.topic!r}")
         if self.events == self.replay:
             raise ConfigError(f"{what}: events and replay endpoints must differ ({self.events})")
-        self.subscribers()  # port offsets must be representable
+        if (self.curve_server_key is None) != (self.curve_key is None):
+            raise ConfigError(
+                f"{what}: CURVE needs both curve_server_key=FILE (the relay's public key) "
+                "and curve_key=FILE (this router's secret key)"
+            )
+        self.subscribers()  # port offsets must be representable, key files readable
 
     @classmethod
     def parse(cls, text: str) -> WorkerSpec:
@@ -283,15 +298,20 @@ class WorkerSpec:
             role=values.get("role", "both") or "both",
             dp_ranks=dp_ranks,
             topic=values.get("topic", "") or "",
+            curve_server_key=values.get("curve_server_key") or None,
+            curve_key=values.get("curve_key") or None,
         )
 
     def subscribers(self) -> tuple[SubscriberSpec, ...]:
         """One spec per DP rank, with the port offset applied to both endpoints."""
+        curve = None
+        if self.curve_server_key is not None and self.curve_key is not None:
+            curve = CurveClientKeys.from_files(self.curve_server_key, self.curve_key)
         if self.dp_ranks == 1:
             return (
                 SubscriberSpec(
                     name=self.name, worker=self.name, dp_rank=0, events=self.events,
-                    replay=self.replay, topic=self.topic, role=self.role,
+                    replay=self.replay, topic=self.topic, role=self.role, curve=curve,
                 ),
             )
         return tuple(
@@ -303,6 +323,7 @@ class WorkerSpec:
                 replay=None if self.replay is None else endpoint_with_port_offset(self.replay, rank),
                 topic=self.topic,
                 role=self.role,
+                curve=curve,
             )
             for rank in range(self.dp_ranks)
         )

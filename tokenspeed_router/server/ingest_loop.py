@@ -1,9 +1,10 @@
 """The ingestion thread: owns every subscriber socket and feeds the ingest sink.
 
-Why a dedicated thread and not the HTTP event loop: a subscriber that detects
-a gap asks the publisher for a replay with a blocking DEALER round trip (up to
-``replay_timeout_s``); on the query loop that would stall every request. Here
-it only delays that worker's own events.
+Why a dedicated thread and not the HTTP event loop: receiving and decoding
+batches (and merging a replay answer, which may hold a whole ring) is CPU
+work that would stall every request on the query loop; here it only delays
+ingestion. Replays themselves are asynchronous (the subscribers never wait
+for a reply), so one worker's replay does not hold up the others.
 
 The thread is the *only* user of the subscriber sockets (ZeroMQ sockets are
 not thread safe), so adding and removing workers at run time goes through a
@@ -37,6 +38,7 @@ from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.events.frames import ipv6_endpoint
 from tokenspeed_router.events.subscriber import (
     EventSubscriber,
+    SubscriberGroup,
     SubscriberItem,
     SubscriberStatistics,
 )
@@ -91,9 +93,8 @@ class IngestLoop:
         self._replay_timeout_s = replay_timeout_s
         self._max_payload_bytes = max_payload_bytes
         self._streams: dict[str, StreamState] = {}
-        self._by_socket: dict[Any, StreamState] = {}
+        self._group = SubscriberGroup()
         self._by_monitor: dict[Any, StreamState] = {}
-        self._poller = zmq.Poller()
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -149,10 +150,8 @@ class IngestLoop:
         if state is None:
             return False
         sock = state.subscriber.socket
-        self._poller.unregister(sock)
-        self._by_socket.pop(sock, None)
+        self._group.remove(name)
         if state.monitor is not None:
-            self._poller.unregister(state.monitor)
             self._by_monitor.pop(state.monitor, None)
             try:
                 sock.disable_monitor()
@@ -216,6 +215,7 @@ class IngestLoop:
             replay_timeout_s=self._replay_timeout_s,
             max_payload_bytes=self._max_payload_bytes,
             start_seq=start_seq,
+            curve=spec.curve,
         )
         monitor: zmq.Socket[bytes] | None = None
         if not spec.events.startswith("inproc://"):
@@ -230,11 +230,9 @@ class IngestLoop:
         # unreachable) or EVENT_DISCONNECTED say otherwise.
         state = StreamState(spec=spec, subscriber=sub, monitor=monitor, connected=True)
         self._streams[spec.name] = state
-        self._by_socket[sub.socket] = state
-        self._poller.register(sub.socket, zmq.POLLIN)
+        self._group.add(sub)
         if monitor is not None:
             self._by_monitor[monitor] = state
-            self._poller.register(monitor, zmq.POLLIN)
         self._connected_snapshot[spec.name] = state.connected
         logger.info("worker=%s subscribed events=%s replay=%s", spec.name, spec.events, spec.replay)
 
@@ -262,41 +260,21 @@ class IngestLoop:
                     logger.exception("worker=%s close failed", name)
 
     def _poll_once(self) -> None:
-        # Streams in the middle of a replay also wait on their DEALER socket and
-        # on the replay deadline: register those for this poll only.
-        timeout_ms = float(_POLL_MS)
-        busy: list[StreamState] = []
-        extra: list[Any] = []
-        for stream in self._streams.values():
-            hint = stream.subscriber.timeout_hint_s()
-            if hint is None:
-                continue
-            busy.append(stream)
-            timeout_ms = min(timeout_ms, hint * 1000.0)
-            for sock in stream.subscriber.poll_sockets():
-                if sock not in self._by_socket:
-                    extra.append((sock, stream))
-                    self._poller.register(sock, zmq.POLLIN)
-        try:
-            ready = self._poller.poll(max(0, int(timeout_ms)))
-        finally:
-            for sock, _ in extra:
-                self._poller.unregister(sock)
-        drained: set[str] = set()
-        extra_map = {id(sock): stream for sock, stream in extra}
-        for sock, _ in ready:
-            target = self._by_socket.get(sock) or extra_map.get(id(sock))
-            if target is not None:
-                if target.spec.name not in drained:
-                    drained.add(target.spec.name)
-                    self._drain(target)
-                continue
-            mon = self._by_monitor.get(sock)
-            if mon is not None:
-                self._monitor_events(mon)
-        for stream in busy:
-            if stream.spec.name not in drained and stream.subscriber.needs_processing():
-                self._drain(stream)
+        items, ready_monitors = self._group.poll_with(
+            _POLL_MS / 1000.0,
+            watch=list(self._by_monitor),
+            on_error=lambda sub: self._error(f"worker={sub.worker} receive failed"),
+        )
+        for item in items:
+            stream = self._streams.get(item.worker)
+            if stream is not None and not stream.connected:
+                self._set_connected(stream, True)
+            try:
+                self._submit(item)
+            except Exception:
+                self._error(f"worker={item.worker} submit failed")
+        for monitor in ready_monitors:
+            self._monitor_events(self._by_monitor[monitor])
 
     def _run_commands(self) -> None:
         while True:
@@ -310,20 +288,6 @@ class IngestLoop:
                 fut.set_result(fn())
             except BaseException as err:
                 fut.set_exception(err)
-
-    def _drain(self, stream: StreamState) -> None:
-        try:
-            items = stream.subscriber.process_ready()
-        except Exception:
-            self._error(f"worker={stream.spec.name} receive failed")
-            return
-        if items and not stream.connected:
-            self._set_connected(stream, True)
-        for item in items:
-            try:
-                self._submit(item)
-            except Exception:
-                self._error(f"worker={item.worker} submit failed")
 
     def _error(self, what: str) -> None:
         self._on_error()

@@ -24,11 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from tokenspeed_router.errors import TokenspeedError
+from tokenspeed_router.percentiles import percentile
 from tokenspeed_router.sim.cluster import ClusterConfig, CostModel, RunResult, Simulator
 from tokenspeed_router.sim.report import (
+    check_out_dir,
     format_table,
     results_document,
-    write_plots,
+    try_write_plots,
     write_results,
 )
 from tokenspeed_router.sim.runner import ProgressBar, run_policies
@@ -51,7 +53,7 @@ DEMO_TRACE = "mooncake_synthetic_slice.jsonl"
 _BASELINES = ("random", "round_robin", "least_loaded", "approx", "kv_aware", "oracle")
 #: RouterConfig overrides for the demo's routers: none. The shipped defaults
 #: (``prefill_weight=2.5``, ``predict_on_route_ttl_s=15``) are the settings the
-#: trace study found (README.md, "Simulation", "What mattered"); the demo shows
+#: trace study found (docs/simulation.md, "Why the defaults"); the demo shows
 #: exactly what a user gets out of the box.
 RECOMMENDED_ROUTER_OPTIONS: dict[str, Any] = {}
 
@@ -59,7 +61,8 @@ RECOMMENDED_ROUTER_OPTIONS: dict[str, Any] = {}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Optional knobs; the defaults are the demo."""
     parser.add_argument("--out", type=Path, default=None,
-                        help="where to write results.json and plots (default: a temp dir)")
+                        help="where to write results.json and plots (default: a new temporary "
+                             "directory, tokenspeed-router-demo-* under $TMPDIR)")
     parser.add_argument("--workers", type=int, default=4, help="simulated workers (default 4)")
     parser.add_argument("--requests", type=int, default=None,
                         help="use only the first N requests of the slice")
@@ -108,10 +111,10 @@ def run_live(requests: list[TraceRequest], cluster: ClusterConfig, *, time_scale
         started = time.perf_counter()
         result = sim.run(requests, backend, progress=progress)
         result.wall_s = time.perf_counter() - started
-        lat = sorted(backend.route_latency_s)
+        lat = backend.route_latency_s
         info = {
-            "route_latency_p50_ms": 1000 * lat[len(lat) // 2] if lat else None,
-            "route_latency_p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
+            "route_latency_p50_ms": 1000 * percentile(lat, 50) if lat else None,
+            "route_latency_p99_ms": 1000 * percentile(lat, 99) if lat else None,
             "max_lateness_s": pacer.max_lateness_s,
             "time_scale": time_scale,
         }
@@ -122,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``tokenspeed-router demo``."""
     requests = demo_requests(rate_scale=args.rate_scale, max_requests=args.requests)
     stats = trace_summary(requests)
-    out_dir = args.out or Path(tempfile.gettempdir()) / "tokenspeed-router-demo"
+    if args.out is not None:
+        check_out_dir(args.out)
     print(f"demo: {len(requests)} requests of the Mooncake synthetic trace (shipped slice), "
           f"{stats['span_s']:.0f} s simulated, {args.workers} workers x 200k-token caches, "
           f"ideal hit ratio {stats['ideal_hit_ratio']:.0%}", file=sys.stderr)
@@ -160,8 +164,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nlive router: route latency p50 {live_info['route_latency_p50_ms']:.1f} ms, "
               f"p99 {live_info['route_latency_p99_ms']:.1f} ms (HTTP round trip); "
               f"TTFT is simulated in every row (prefill {fast_cluster.cost.prefill_tokens_per_s:g} tok/s)")
-    write_results(doc, out_dir)
-    paths = write_plots(runs, out_dir, title=f"demo: {len(requests)} requests, {args.workers} workers")
-    print(f"\nresults: {out_dir / 'results.json'}")
-    print(f"plot: {paths[0]}")
+    # Created only now, so an early failure leaves no empty folder behind.
+    out_dir = args.out or Path(tempfile.mkdtemp(prefix="tokenspeed-router-demo-"))
+    results = write_results(doc, out_dir)
+    print(f"\nresults: {results}")
+    paths, note = try_write_plots(runs, out_dir, title=f"demo: {len(requests)} requests, {args.workers} workers")
+    if paths:
+        print(f"plot: {paths[0]}")
+    if note:
+        print(note, file=sys.stderr)
     return 0

@@ -20,12 +20,13 @@ from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.sim.cluster import ClusterConfig, CostModel
 from tokenspeed_router.sim.report import (
     POLICY_ORDER,
+    check_out_dir,
     format_table,
     results_document,
-    write_plots,
+    try_write_plots,
     write_results,
 )
-from tokenspeed_router.sim.runner import ProgressBar, run_policies, sweep
+from tokenspeed_router.sim.runner import Interrupted, ProgressBar, run_policies, sweep
 from tokenspeed_router.sim.traces import (
     MOONCAKE_BLOCK_TOKENS,
     TraceRequest,
@@ -149,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in POLICY_ORDER]
     if unknown or not policies:
         raise ConfigError(f"unknown policies {unknown}; choose from {', '.join(POLICY_ORDER)}")
+    if args.out is not None:
+        check_out_dir(args.out)
     cluster = cluster_from_args(args)
     router_options = parse_router_options(args.router_option)
     trace_name, requests = load_requests(args)
@@ -172,14 +175,23 @@ def run(args: argparse.Namespace) -> int:
         # Losses are deliberate here: one resync warning per lost batch would bury the table.
         ingest_log = logging.getLogger("tokenspeed_router.router.ingest")
         ingest_log.setLevel(max(ingest_log.getEffectiveLevel(), logging.ERROR))
-    runs = run_policies(policies, requests, cluster, router_options=router_options,
-                        signal_prefill_done=signal, progress=bar)
+    interrupted = False
+    try:
+        runs = run_policies(policies, requests, cluster, router_options=router_options,
+                            signal_prefill_done=signal, progress=bar)
+    except Interrupted as stop:
+        if not stop.finished:
+            raise
+        runs, interrupted = stop.finished, True
+        print(f"\ninterrupted: reporting the {len(runs)} finished "
+              f"polic{'y' if len(runs) == 1 else 'ies'} ({', '.join(runs)})", file=sys.stderr)
     sweeps: dict[str, Any] = {}
-    if args.sweep_event_delay_ms:
+    # No sweeps after Ctrl-C: write what finished and stop.
+    if args.sweep_event_delay_ms and not interrupted:
         sweeps["event_delay"] = sweep("event_delay_s", [v / 1000.0 for v in args.sweep_event_delay_ms],
                                       requests, cluster, router_options=router_options,
                                       signal_prefill_done=signal, progress=bar)
-    if args.sweep_event_loss:
+    if args.sweep_event_loss and not interrupted:
         sweeps["event_loss"] = sweep("event_loss_rate", args.sweep_event_loss, requests, cluster,
                                      router_options=router_options, signal_prefill_done=signal,
                                      progress=bar)
@@ -202,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         "max_requests": args.max_requests,
         "router_options": router_options,
         "prefill_done_signal": signal,
+        "interrupted": interrupted,
     }
     doc = results_document(trace=trace_name, workers=cluster.num_workers, runs=runs,
                            config=config, trace_stats=stats, sweeps=sweeps or None)
@@ -215,7 +228,10 @@ def run(args: argparse.Namespace) -> int:
         path = write_results(doc, args.out)
         print(f"wrote {path}")
         if not args.no_plots:
-            for plot in write_plots(runs, args.out, title=f"{trace_name}, {cluster.num_workers} workers, "
-                                    f"{cluster.cost.prefill_tokens_per_s:g} tok/s"):
+            plots, note = try_write_plots(runs, args.out, title=f"{trace_name}, {cluster.num_workers} workers, "
+                                          f"{cluster.cost.prefill_tokens_per_s:g} tok/s")
+            for plot in plots:
                 print(f"wrote {plot}")
-    return 0
+            if note:
+                print(note, file=sys.stderr)
+    return 130 if interrupted else 0

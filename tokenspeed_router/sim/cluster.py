@@ -59,8 +59,6 @@ __all__ = [
     "SimWorker",
     "Simulator",
     "WorkerView",
-    "probe_hit_tokens",
-    "probe_pages",
 ]
 
 logger = logging.getLogger(__name__)
@@ -139,36 +137,6 @@ def _make_cache(config: ClusterConfig) -> Any:
         max_context_len=config.capacity_tokens,  # never truncate a prompt that fits
         debug_checks=False,  # page-accounting asserts cost time and are tested elsewhere
     )
-
-
-def probe_hit_tokens(cache: Any, tokens: Any) -> int:
-    """Cached prefix length of ``tokens`` in a worker cache, without side effects.
-
-    ``PrefixCache.match_prefix`` touches access times and splits nodes, which
-    would refresh LRU state on every worker the oracle merely looks at; this
-    walks the radix tree read-only instead (full pages only, like a match).
-    """
-    from tokenspeed_router.cache.tree import paginate
-
-    return probe_pages(cache, paginate(tokens, cache.page_size))
-
-
-def probe_pages(cache: Any, pages: list[Any]) -> int:
-    """:func:`probe_hit_tokens` for a prompt already cut into the cache's page keys."""
-    from tokenspeed_router.cache.tree import key_match
-
-    node = cache.root_node
-    i = 0
-    while i < len(pages):
-        child = node.children.get(pages[i])
-        if child is None or child.value is None:
-            break
-        n = key_match(child.key, pages, i)
-        i += n
-        if n < len(child.key):
-            break
-        node = child
-    return i * int(cache.page_size)
 
 
 class SimWorker:
@@ -401,7 +369,7 @@ class Simulator:
         first_token = end
         if choice.decode_worker is not None and choice.decode_worker != worker.name:
             dec = self.worker(choice.decode_worker)
-            d_hit = probe_hit_tokens(dec.cache, tokens)
+            d_hit = dec.cache.cached_prefix_length(tokens)
             first_token = end + (req.input_length - d_hit) / cost.kv_transfer_tokens_per_s
             dec.num_requests += 1
             self._push(first_token, _ADMIT, (dec, tokens))

@@ -26,8 +26,6 @@ from tokenspeed_router.sim.cluster import (
     RouteChoice,
     SimWorker,
     WorkerView,
-    probe_hit_tokens,
-    probe_pages,
 )
 from tokenspeed_router.sim.traces import TraceRequest
 
@@ -36,8 +34,6 @@ __all__ = [
     "OracleBackend",
     "RouterBackend",
     "make_backend",
-    "probe_hit_tokens",
-    "probe_pages",
 ]
 
 logger = logging.getLogger(__name__)
@@ -134,7 +130,7 @@ class OracleBackend:
         best_cost = float("inf")
         pages = _Pages(tokens)
         for w in self._view.prefill_workers():
-            hit = probe_pages(w.cache, pages.get(w.cache.page_size))
+            hit = w.cache.cached_prefix_pages(pages.get(w.cache.page_size))
             est = w.backlog_s(now) + self._cost.prefill_s(request.input_length - hit)
             if est < best_cost - 1e-12:
                 best, best_cost = [(w, hit)], est
@@ -144,7 +140,7 @@ class OracleBackend:
         decode = None
         decoders = self._view.decode_workers()
         if decoders:
-            d_hits = [(probe_pages(d.cache, pages.get(d.cache.page_size)), -d.num_requests, d.name)
+            d_hits = [(d.cache.cached_prefix_pages(pages.get(d.cache.page_size)), -d.num_requests, d.name)
                       for d in decoders]
             decode = max(d_hits)[2]
         return RouteChoice(worker=worker.name, decode_worker=decode, predicted_hit_tokens=hit)

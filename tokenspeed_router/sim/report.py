@@ -27,12 +27,13 @@ from typing import Any
 
 import numpy as np
 
+from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.percentiles import percentile
 from tokenspeed_router.sim.cluster import RunResult
 
 __all__ = [
     "POLICY_ORDER",
     "format_table",
-    "percentile",
     "policy_metrics",
     "results_document",
     "write_plots",
@@ -43,17 +44,6 @@ __all__ = [
 POLICY_ORDER = ("random", "round_robin", "least_loaded", "approx", "kv_aware", "oracle")
 
 
-def percentile(values: np.ndarray | Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]); NaN for no values.
-
-    Shared by the simulator's reports and ``loadgen`` so that both define a
-    p99 the same way.
-    """
-    s = np.sort(np.asarray(values, dtype=np.float64))
-    if s.size == 0:
-        return math.nan
-    k = max(0, min(s.size - 1, math.ceil(q / 100.0 * s.size) - 1))
-    return float(s[k])
 
 
 def policy_metrics(run: RunResult, *, slo_s: Sequence[float] = (2.0, 10.0)) -> dict[str, Any]:
@@ -120,6 +110,12 @@ def _ordered(names: Mapping[str, Any]) -> list[str]:
     return known + sorted(n for n in names if n not in POLICY_ORDER)
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """Fail before a run, not after it, when ``--out`` cannot be a results folder."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out {out_dir} exists and is not a directory")
+
+
 def write_results(doc: Mapping[str, Any], out_dir: Path) -> Path:
     """Write ``results.json`` (NaN written as null, so strict parsers accept it)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -155,6 +151,20 @@ def format_table(doc: Mapping[str, Any], *, modes: Mapping[str, str] | None = No
             line += f"  {modes.get(name, '')}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def try_write_plots(
+    runs: Mapping[str, RunResult], out_dir: Path, *, title: str
+) -> tuple[list[Path], str | None]:
+    """:func:`write_plots`, or no plots and the reason when matplotlib is missing.
+
+    Plots are the optional extra (``[plot]``): the results are already written,
+    so a missing matplotlib is a note for the user, not a failed run.
+    """
+    try:
+        return write_plots(runs, out_dir, title=title), None
+    except ImportError as err:
+        return [], f"plots skipped: {err}"
 
 
 def write_plots(runs: Mapping[str, RunResult], out_dir: Path, *, title: str) -> list[Path]:

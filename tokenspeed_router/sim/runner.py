@@ -19,7 +19,19 @@ from tokenspeed_router.sim.policies import make_backend
 from tokenspeed_router.sim.report import policy_metrics
 from tokenspeed_router.sim.traces import TokenSynthesizer, TraceRequest
 
-__all__ = ["ProgressBar", "run_policies", "run_policy", "sweep"]
+__all__ = ["Interrupted", "ProgressBar", "run_policies", "run_policy", "sweep"]
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`run_policies`; ``finished`` holds the policies that completed.
+
+    A ``KeyboardInterrupt`` still, so callers that do not care stop as before;
+    ``simulate`` catches it to write the finished policies' results.
+    """
+
+    def __init__(self, finished: dict[str, RunResult]) -> None:
+        super().__init__(f"interrupted after {len(finished)} finished policies")
+        self.finished = finished
 
 
 class ProgressBar:
@@ -106,9 +118,12 @@ def run_policies(
     for policy in policies:
         if progress is not None:
             progress.start(policy)
-        out[policy] = run_policy(policy, requests, cluster, router_options=router_options,
-                                 signal_prefill_done=signal_prefill_done,
-                                 synthesizer=synth, progress=progress)
+        try:
+            out[policy] = run_policy(policy, requests, cluster, router_options=router_options,
+                                     signal_prefill_done=signal_prefill_done,
+                                     synthesizer=synth, progress=progress)
+        except KeyboardInterrupt:
+            raise Interrupted(dict(out)) from None
     return out
 
 

@@ -158,8 +158,13 @@ def load_mooncake(
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"trace file not found: {path}")
-    with path.open(encoding="utf-8") as fh:
-        return parse_mooncake(fh, window, block_tokens=block_tokens, source=str(path))
+    try:
+        with path.open(encoding="utf-8") as fh:
+            return parse_mooncake(fh, window, block_tokens=block_tokens, source=str(path))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not a Mooncake trace (not UTF-8 text: {err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read trace {path}: {err.strerror or err}") from None
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:

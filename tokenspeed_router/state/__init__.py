@@ -4,17 +4,17 @@ One replica holds the ingestion lease and appends every subscriber item to a
 Redis stream; every replica (leader included) builds its in-memory index
 only from that stream, so all converge and queries never touch Redis.
 Periodic snapshots let a new replica come up warm. See
-README.md, "Several router replicas" for the design, the failure modes and the figures.
+docs/replicas.md for the design, the failure modes and the figures.
 
 Importing this package does not import redis-py: the client is built when a
 replica is.
 """
 
-from tokenspeed_router.state.applier import IndexHost, LocalIndexHost, StreamApplier
+from tokenspeed_router.state.applier import IndexHost, LocalIndexHost
 from tokenspeed_router.state.config import RedisStateConfig, StateKeys
 from tokenspeed_router.state.health import StateHealth, WarmStartReport
 from tokenspeed_router.state.replica import IngestionControl, RedisStateReplica
-from tokenspeed_router.state.service import RedisIngestSink, create_ingest_sink
+from tokenspeed_router.state.service import create_ingest_sink
 from tokenspeed_router.state.stream import FencedError, GenerationError
 
 __all__ = [
@@ -23,12 +23,10 @@ __all__ = [
     "IndexHost",
     "IngestionControl",
     "LocalIndexHost",
-    "RedisIngestSink",
     "RedisStateConfig",
     "RedisStateReplica",
     "StateHealth",
     "StateKeys",
-    "StreamApplier",
     "WarmStartReport",
     "create_ingest_sink",
 ]

@@ -29,6 +29,7 @@ from tokenspeed_router.events.subscriber import (
     ResyncNeeded,
     SubscriberItem,
 )
+from tokenspeed_router.percentiles import percentile
 from tokenspeed_router.state.snapshot import SNAPSHOT_FORMAT, SnapshotEnvelope
 from tokenspeed_router.state.stream import Position, StreamEntry, entry_position
 
@@ -308,7 +309,7 @@ class StreamApplier:
     def apply_lag_percentiles(self) -> tuple[float | None, float | None]:
         """p50 and p99 of (apply time - leader accept time) over recent entries."""
         with self._lags_lock:
-            lags = sorted(self._lags)
+            lags = list(self._lags)
         if not lags:
             return None, None
-        return lags[len(lags) // 2], lags[min(len(lags) - 1, int(len(lags) * 0.99))]
+        return percentile(lags, 50), percentile(lags, 99)

@@ -29,7 +29,7 @@ def _default_replica_id() -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class RedisStateConfig:
-    """Everything the Redis state backend needs; see README.md, "Several router replicas".
+    """Everything the Redis state backend needs; see docs/replicas.md.
 
     ``cluster`` namespaces every key (several router clusters may share one
     Redis); keys carry it as a hash tag so they land in one Redis Cluster slot

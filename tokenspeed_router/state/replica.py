@@ -123,19 +123,6 @@ class RedisStateReplica:
         self._client.close()
         self._role = "stopped"
 
-    def crash(self) -> None:
-        """Stop every thread at once without flushing or releasing (tests: a killed process)."""
-        self._closed = True
-        self._stop.set()
-        self._wake.set()
-        self.writer.deactivate()
-        self.writer.stop(1.0)
-        self.follower.stop(1.0)
-        if self._thread is not None:
-            self._thread.join(5.0)
-        self._client.close()
-        self._role = "stopped"
-
     # ------------------------------------------------------------------- seam
 
     def submit(self, item: SubscriberItem) -> None:

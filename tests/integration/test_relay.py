@@ -1,0 +1,249 @@
+"""The event relay (DESIGN §12) with real sockets: snapshot + tail, restarts, hashes-only.
+
+The engine is a real PrefixCache publishing through a ZmqEventPublisher with
+a tiny replay ring; routers are real EventSubscribers feeding the router's
+own IndexIngestor + KvIndex. "Complete" always means: equal to the engine's
+cache (block count and the match answer for every prompt).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import zmq
+from relay_support import (
+    LOOPBACK,
+    PAGE,
+    Ctx,
+    Engine,
+    RelayThread,
+    RouterView,
+    assert_same_as_engine,
+    handshake,
+    workload,
+)
+from server_support import DropProxy
+from support import wait_until
+
+from tokenspeed_router.events import (
+    AllBlocksCleared,
+    BatchReceived,
+    BlockStored,
+    KVEventBatch,
+    PublisherRestarted,
+    ResyncNeeded,
+    decode_batch,
+)
+from tokenspeed_router.events.frames import END_SEQ, encode_seq
+
+
+def test_late_router_gets_complete_view_after_engine_ring_wrapped(ctx: Ctx) -> None:
+    engine = Engine(ctx, buffer_steps=4)
+    relay = RelayThread(ctx, engine, buffer_steps=8)
+    try:
+        handshake(engine, relay)
+        prompts = workload(seed=3)
+        engine.run(prompts)
+        relay.wait_engine_seq(engine.last_seq)
+        assert engine.last_seq > 50, "the workload must wrap both rings many times"
+        assert engine.cache.statistics().evicted_tokens > 0
+
+        # A router that joins the engine directly now only gets the last 4 batches.
+        direct = RouterView(ctx, engine.publisher.endpoint, engine.publisher.replay_endpoint, worker="d")
+        direct.wait_seq(engine.last_seq)
+        assert direct.blocks() < engine.blocks()
+
+        # Through the relay: snapshot (before the relay's ring) + the ring.
+        late = RouterView(ctx, relay.relay.endpoint, relay.relay.replay_endpoint)
+        late.wait_seq(relay.last_seq)
+        assert_same_as_engine(late, engine, prompts)
+        assert not any(isinstance(x, ResyncNeeded) for x in late.items)
+        assert late.ingestor.statuses()["w"].state == "live"
+        stats = relay.relay.statistics()
+        assert stats.ring.snapshots_served >= 1 and stats.ring.last_snapshot_blocks > 0
+        assert stats.ring.ring_batches == 8
+
+        # And it keeps following live traffic.
+        more = workload(seed=4, n=20)
+        engine.run(more)
+        relay.wait_engine_seq(engine.last_seq)
+        late.wait_seq(relay.last_seq)
+        assert_same_as_engine(late, engine, prompts + more)
+        direct.close()
+        late.close()
+    finally:
+        relay.close()
+        engine.close()
+
+
+def test_snapshot_reply_is_wire_compatible(ctx: Ctx) -> None:
+    """A raw DEALER asking from seq 0: [b'', topic, seq, payload] frames, consecutive
+    seqs ending at the relay's last one, AllBlocksCleared first, then the end marker."""
+    engine = Engine(ctx, buffer_steps=4)
+    relay = RelayThread(ctx, engine, buffer_steps=4, snapshot_blocks_per_batch=16)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    try:
+        handshake(engine, relay)
+        engine.run(workload(seed=5, n=30))
+        relay.wait_engine_seq(engine.last_seq)
+        dealer.connect(relay.relay.replay_endpoint)
+        dealer.send_multipart([b"", encode_seq(0)])
+        frames_list = []
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        while True:
+            assert poller.poll(10_000), "relay did not answer the replay request"
+            frames = dealer.recv_multipart()
+            if frames[2] == END_SEQ:
+                assert frames == [b"", b"", END_SEQ, b""]
+                break
+            assert len(frames) == 4 and frames[0] == b""
+            frames_list.append(frames)
+        seqs = [int.from_bytes(f[2], "big") for f in frames_list]
+        assert seqs == list(range(seqs[0], relay.last_seq + 1))
+        batches = [decode_batch(f[3]) for f in frames_list]
+        assert isinstance(batches[0].events[0], AllBlocksCleared)
+        snapshot_len = len(seqs) - 4
+        assert snapshot_len > 1, "16 blocks per batch: the snapshot spans several batches"
+        stored = [e for b in batches[:snapshot_len] for e in b.events if isinstance(e, BlockStored)]
+        known: set[object] = set()
+        for ev in stored:  # parents before children
+            assert ev.parent_block_hash is None or ev.parent_block_hash in known
+            known.update(ev.block_hashes)
+    finally:
+        dealer.close(linger=0)
+        relay.close()
+        engine.close()
+
+
+def test_engine_restart_is_republished_as_clear_then_rebuilt(ctx: Ctx) -> None:
+    engine = Engine(ctx, buffer_steps=1000)
+    relay = RelayThread(ctx, engine, buffer_steps=1000)
+    view = RouterView(ctx, relay.relay.endpoint, relay.relay.replay_endpoint)
+    endpoints = (engine.publisher.endpoint, engine.publisher.replay_endpoint)
+    try:
+        handshake(engine, relay)
+        engine.run(workload(seed=6, n=30))
+        relay.wait_engine_seq(engine.last_seq)
+        view.wait_seq(relay.last_seq)
+        assert view.blocks() == engine.blocks() > 0
+
+        engine.close()  # the engine restarts: same endpoints, empty cache, seq from 0
+        assert endpoints[1] is not None
+        engine = Engine(ctx, buffer_steps=1000, endpoint=endpoints[0], replay_endpoint=endpoints[1])
+        prompts = workload(seed=7, n=10)
+        engine.run(prompts)
+        wait_until(lambda: relay.relay.statistics().restarts == 1, 15, what="the relay to see the restart")
+        relay.wait_engine_seq(engine.last_seq)
+        view.wait_seq(relay.last_seq)
+        assert_same_as_engine(view, engine, prompts)
+        # The router saw an ordinary relayed batch clearing everything, not a restart of the relay.
+        assert not any(isinstance(x, PublisherRestarted) for x in view.items)
+        cleared = [x for x in view.items if isinstance(x, BatchReceived)
+                   and x.batch.events == [AllBlocksCleared()]]
+        assert cleared
+    finally:
+        view.close()
+        relay.close()
+        engine.close()
+
+
+def test_unrecoverable_engine_gap_is_republished_as_clear(ctx: Ctx) -> None:
+    """No engine replay and a lost engine batch: the relay clears its routers, which then
+    never claim more than the engine holds, and are exact again after the engine's next reset."""
+    engine = Engine(ctx, buffer_steps=4)
+    proxy = DropProxy(engine.publisher.endpoint, set())
+    relay = RelayThread(ctx, engine, engine=proxy.endpoint, engine_replay=None, buffer_steps=1000)
+    view = RouterView(ctx, relay.relay.endpoint, relay.relay.replay_endpoint)
+    try:
+        handshake(engine, relay)
+        proxy.drop_seqs.add(engine.last_seq + 5)
+        prompts = workload(seed=12, n=30)
+        engine.run(prompts)
+        relay.wait_engine_seq(engine.last_seq)
+        view.wait_seq(relay.last_seq)
+        stats = relay.relay.statistics()
+        assert proxy.dropped and stats.resyncs == 1 and stats.gaps == 1
+        cleared = [x for x in view.items if isinstance(x, BatchReceived) and x.batch.events == [AllBlocksCleared()]]
+        assert len(cleared) == 1
+        for tokens in prompts:
+            assert view.score(tokens) <= engine.truth(tokens)
+        engine.cache.reset()
+        engine.run(again := workload(seed=13, n=20))
+        relay.wait_engine_seq(engine.last_seq)
+        view.wait_seq(relay.last_seq)
+        assert_same_as_engine(view, engine, again)
+    finally:
+        view.close()
+        relay.close()
+        proxy.close()
+        engine.close()
+
+
+def test_hashes_only_matches_direct_router_and_sends_no_token_ids(ctx: Ctx) -> None:
+    engine = Engine(ctx, buffer_steps=10_000)
+    relay = RelayThread(ctx, engine, buffer_steps=8, hashes_only=True)
+    direct = RouterView(ctx, engine.publisher.endpoint, engine.publisher.replay_endpoint, worker="d")
+    raw = ctx.socket(zmq.SUB)
+    raw.linger = 0
+    raw.setsockopt(zmq.SUBSCRIBE, b"")
+    raw.connect(relay.relay.endpoint)
+    frames_seen: list[list[bytes]] = []
+
+    def drain_raw() -> None:
+        while True:
+            try:
+                frames_seen.append(raw.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+
+    try:
+        handshake(engine, relay)
+        direct.wait_seq(engine.last_seq)
+        prompts = workload(seed=8)
+        engine.run(prompts)
+        relay.wait_engine_seq(engine.last_seq)
+        direct.wait_seq(engine.last_seq)
+        late = RouterView(ctx, relay.relay.endpoint, relay.relay.replay_endpoint)
+        late.wait_seq(relay.last_seq, each=drain_raw)
+        assert relay.relay.statistics().ring.snapshots_served >= 1
+
+        assert_same_as_engine(late, engine, prompts)
+        queries = prompts + [p[: PAGE * k] for p in prompts for k in (1, 2)] + [[1, 2, 3, 4] * 3]
+        assert [late.score(q) for q in queries] == [direct.score(q) for q in queries]
+        hasher = relay.relay.statistics().hasher
+        assert hasher is not None and hasher.blocks_hashed > 0
+
+        # No token id in anything the relay sent: live frames and the late router's replay (snapshot).
+        drain_raw()
+        relayed = [msgspec.msgpack.decode(f[2]) for f in frames_seen if len(f) == 3]
+        relayed += [decode_batch(item.payload) for item in late.items if isinstance(item, BatchReceived)]
+        stores = 0
+        for payload in relayed:
+            batch = payload if isinstance(payload, KVEventBatch) else decode_batch(msgspec.msgpack.encode(payload))
+            for ev in batch.events:
+                if isinstance(ev, BlockStored):
+                    stores += 1
+                    assert ev.token_ids == [], ev
+        assert stores > 0
+        late.close()
+    finally:
+        raw.close(linger=0)
+        direct.close()
+        relay.close()
+        engine.close()
+
+
+def test_relay_loopback_only_defaults_are_validated() -> None:
+    from tokenspeed_router.errors import ConfigError
+    from tokenspeed_router.relay import RelayConfig
+
+    for bad in (dict(buffer_steps=0), dict(curve_allow=("x.key",)), dict(curve_secret_key="x.key_secret"),
+                dict(replay=LOOPBACK.replace("*", "5999"), publish=LOOPBACK.replace("*", "5999"))):
+        kwargs = dict(engine="tcp://127.0.0.1:5557", publish=LOOPBACK, replay="tcp://127.0.0.1:0")
+        kwargs.update(bad)  # type: ignore[arg-type]
+        try:
+            RelayConfig(**kwargs)  # type: ignore[arg-type]
+        except ConfigError:
+            continue
+        raise AssertionError(f"accepted {bad}")
