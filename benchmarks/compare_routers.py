@@ -51,6 +51,7 @@ from tokenspeed_router.loadgen.fleet import (
     EngineSimOptions,
     Fleet,
     clock_scaled_router_flags,
+    exit_on_sigterm,
     free_loopback_port,
 )
 from tokenspeed_router.loadgen.prompts import PromptBuilder, PromptConfig, scale_prompts
@@ -83,8 +84,9 @@ class TraceSlice:
     Not the demo's slice: the synthetic trace is cut with another seed (other
     documents), the conversation trace by its first two blocks (sessions;
     every request shares block 0). ``speedup`` puts the full-size offered
-    load at ~90-120k prompt tokens/s against 4 x 20k tokens/s of prefill:
-    a fleet that only keeps up when it reuses its caches.
+    load at ~60k (synthetic) and ~100k (conversation, shorter and more
+    shared prompts) prompt tokens/s against 4 x 20k tokens/s of prefill: a
+    fleet that keeps up only when it reuses its caches, without drowning.
     """
 
     file: str
@@ -96,7 +98,7 @@ class TraceSlice:
 
 TRACES = {
     "conversation": TraceSlice("conversation_trace.jsonl", prefix_blocks=2, groups=60, seed=1, speedup=70.0),
-    "synthetic": TraceSlice("synthetic_trace.jsonl", prefix_blocks=1, groups=60, seed=2, speedup=10.0),
+    "synthetic": TraceSlice("synthetic_trace.jsonl", prefix_blocks=1, groups=60, seed=2, speedup=7.0),
 }
 
 
@@ -268,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="interpreter that runs engine-sim and serve (default: this one)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    exit_on_sigterm()
     groups = 12 if args.quick else args.groups
     scenarios = ["pressure"] if args.quick else [s for s in args.scenarios.split(",") if s]
     names = [r for r in args.routers.split(",") if r] + (["round_robin"] if args.baseline else [])
@@ -310,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             table = format_runs_table(rows, label=f"{trace}/{scenario}")
             tables.append(table + (f"\ntargets met: {targets}" if targets else ""))
             print("\n" + tables[-1], flush=True)
+            write_results(out, args.out)  # after every scenario: a long run killed keeps what it measured
             write_plots(records, args.out, title=f"{trace} / {scenario}",
                         workers=[f"engine{i}" for i in range(NUM_ENGINES)], name=f"{trace}-{scenario}.png")
     path = write_results(out, args.out)

@@ -47,6 +47,7 @@ from tokenspeed_router.loadgen.fleet import (
     EngineSimOptions,
     Fleet,
     clock_scaled_router_flags,
+    exit_on_sigterm,
 )
 from tokenspeed_router.loadgen.prompts import PromptBuilder, PromptConfig, scale_prompts
 from tokenspeed_router.loadgen.replay import ReplayConfig, replay
@@ -198,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sim:
         return _run_sim(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    exit_on_sigterm()  # a killed demo stops its engines and gateways too
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise ConfigError("--policies names no policy")

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -37,6 +38,7 @@ from tokenspeed_router.sim.live import free_loopback_port
 
 __all__ = [
     "EngineHandle",
+    "exit_on_sigterm",
     "EngineSimOptions",
     "Fleet",
     "ManagedProcess",
@@ -178,6 +180,17 @@ class EngineSimOptions:
         if self.restart_after_requests is not None:
             out += ["--fault-restart-after-requests", str(self.restart_after_requests)]
         return out + list(self.extra)
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit`` in the main thread.
+
+    Python's default SIGTERM ends the process at once, without ``finally``
+    blocks, which would orphan every child a :class:`Fleet` started; as an
+    exception, the ``with Fleet(...)`` blocks stop them. For commands (demo,
+    benchmarks), not for libraries.
+    """
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def clock_scaled_router_flags(time_scale: float) -> list[str]:
