@@ -123,6 +123,8 @@ class RunContext:
     replica: int
     time_scale: float
     redis: str | None = None
+    #: extra ``--router-option KEY=VALUE`` for our gateway (experiments; default none)
+    router_options: tuple[str, ...] = ()
 
 
 #: (context, engines) -> the router's base URL once it serves
@@ -142,6 +144,8 @@ def _ours(policy: str) -> Launcher:
         # Our time constants follow the engines' clock (see clock_scaled_router_flags);
         # the peers run with their defaults (no comparable time-based memory).
         extra = clock_scaled_router_flags(ctx.time_scale) + (["--state", ctx.redis] if ctx.redis else [])
+        for option in ctx.router_options:
+            extra += ["--router-option", option]
         return ctx.fleet.start_gateway(f"tokenspeed-{policy}-{ctx.replica}", engines, policy=policy,
                                        extra=extra)
     return start
@@ -211,7 +215,8 @@ def _redis(fleet: Fleet) -> str:
 
 
 def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *, time_scale: float,
-            log_dir: Path, progress: ProgressBar, python: str = sys.executable) -> tuple[dict[str, Any], list[RequestRecord]]:
+            log_dir: Path, progress: ProgressBar, python: str = sys.executable,
+            router_options: Sequence[str] = ()) -> tuple[dict[str, Any], list[RequestRecord]]:
     engine = EngineSimOptions(capacity_tokens=12_500, prefill_tokens_per_s=2_500.0,
                               decode_s_per_token=0.02, time_scale=time_scale, model=MODEL)
     opts = [engine] * NUM_ENGINES
@@ -223,7 +228,8 @@ def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *
         engines = fleet.start_engines([f"engine{i}" for i in range(NUM_ENGINES)], opts)
         redis = _redis(fleet) if scenario == "replicas" and kind.name in ("tokenspeed", "round_robin") else None
         replicas = 2 if scenario == "replicas" else 1
-        urls = [kind.start(RunContext(fleet=fleet, replica=i, time_scale=time_scale, redis=redis), engines)
+        urls = [kind.start(RunContext(fleet=fleet, replica=i, time_scale=time_scale, redis=redis,
+                                      router_options=tuple(router_options)), engines)
                 for i in range(replicas)]
         builder = PromptBuilder(PromptConfig(model=MODEL, prompt_format=kind.prompt_format,
                                              max_output_tokens=MAX_OUTPUT_TOKENS))
@@ -266,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--time-scale", type=float, default=4.0,
                         help="modelled seconds per wall second (engines and arrivals; default 4)")
     parser.add_argument("--quick", action="store_true", help="12 groups, one scenario (smoke run)")
+    parser.add_argument("--router-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed to our gateway (serve --router-option), for experiments")
     parser.add_argument("--python", default=sys.executable,
                         help="interpreter that runs engine-sim and serve (default: this one)")
     args = parser.parse_args(argv)
@@ -284,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kinds.append(kind)
     traces_dir = _shared_traces()
     out: dict[str, Any] = {"config": {"groups": groups, "time_scale": args.time_scale,
+                                      "router_options": args.router_option,
                                       "engines": NUM_ENGINES, "prompt_scale": PROMPT_SCALE,
                                       "max_output_tokens": MAX_OUTPUT_TOKENS,
                                       "engine": "capacity 12.5k tokens (100k full-size), prefill 2.5k tok/s "
@@ -307,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows[kind.name], records[kind.name] = run_one(
                     kind, scenario, requests, time_scale=args.time_scale,
                     log_dir=log_root / trace / scenario / kind.name, progress=bar,
-                    python=args.python)
+                    python=args.python, router_options=args.router_option)
             targets = _check_targets(rows)
             out["results"][trace][scenario] = {"routers": rows, "targets_met": targets}
             table = format_runs_table(rows, label=f"{trace}/{scenario}")
