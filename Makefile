@@ -10,7 +10,8 @@ TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml constraints-dev.txt
+# setup.py builds the compiled index core (csrc/, machine's C compiler): editing it reinstalls.
+$(STAMP): pyproject.toml constraints-dev.txt setup.py csrc/native.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=23"
 	@# A local wheel first (pip find-links, offline mirrors), else PyTorch's CPU index.
@@ -33,4 +34,4 @@ bench: $(STAMP)
 	$(BIN)/tokenspeed-router bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info tokenspeed_router/*.so

@@ -9,9 +9,10 @@ Run::
 
 On top of the library command (same workload, ``tokenspeed_router/router/bench.py``):
 
-* memory per stored block counted object by object (:func:`retained_bytes`,
-  which reads the index's private tables), with and without compaction of
-  external ids (``KvIndex(compact_min=...)``);
+* memory per stored block (:func:`retained_bytes`: ``KvIndex.memory_bytes``,
+  the bytes the core's tables hold), on the native core and on the
+  pure-Python reference core (``KvIndex(core="reference")``), with the
+  reference core's ingest speed;
 * ``match`` with numpy token input;
 * ``--dynamo``: Dynamo's ``RadixTree`` (``ai-dynamo-runtime`` 1.6.1) in the
   same process on the same events (JSON, with ``tokens_hash`` precomputed by
@@ -42,57 +43,26 @@ def _lat_us(seconds: list[float]) -> dict[str, float]:
 
 
 def retained_bytes(index: KvIndex) -> int:
-    """Bytes the index keeps alive: its dicts and sets plus every distinct int in them.
-
-    Small ints (-5..256) are interpreter singletons and cost nothing; the
-    worker bit masks are shared objects and counted once.
-    """
-    seen: set[int] = set()
-    total = 0
-
-    def obj(o: Any) -> None:
-        nonlocal total
-        if type(o) is int and -5 <= o <= 256:
-            return
-        i = id(o)
-        if i not in seen:
-            seen.add(i)
-            total += sys.getsizeof(o)
-
-    holders = index._holders
-    total += sys.getsizeof(holders)
-    for k, v in holders.items():
-        obj(k)
-        obj(v)
-    for ws in index._workers.values():
-        maps: tuple[dict[Any, int], ...] = (ws.ext, ws.tiers, ws.refs)
-        for d in maps:
-            total += sys.getsizeof(d)
-            for key, val in d.items():
-                obj(key)
-                obj(val)
-        if ws.cold is not None:
-            total += ws.cold.nbytes
-        total += sys.getsizeof(ws.unm)
-        for k in ws.unm:
-            obj(k)
-    return total
+    """Bytes the index keeps alive (native: its tables' allocations; reference: getsizeof of its maps)."""
+    return index.memory_bytes()
 
 
 def bench_memory(wl: Workload) -> dict[str, Any]:
-    """Bytes retained per stored block, compacted (default) and not; plus uncompacted ingest speed."""
+    """Bytes retained per stored block on the default core and on the reference core; its ingest speed."""
     index, _ = bench.ingest_events(wl.events)
     out: dict[str, Any] = {
+        "core": index.implementation,
         "retained_bytes_per_block": round(retained_bytes(index) / wl.stored_blocks, 1),
         "distinct_blocks": index.num_distinct_blocks(),
     }
     del index
-    plain = KvIndex(compact_min=sys.maxsize)
+    plain = KvIndex(core="reference")
     t = bench.now()
     for name, batch in wl.events:
         plain.apply(name, batch)
     dt = bench.now() - t
-    out["uncompacted"] = {
+    out["uncompacted"] = {  # key kept for result files; it is the reference core now
+        "core": "reference",
         "ingest_blocks_per_s": round(wl.stored_blocks / dt),
         "retained_bytes_per_block": round(retained_bytes(plain) / wl.stored_blocks, 1),
     }

@@ -72,14 +72,14 @@ def _free_port() -> int:
 # --------------------------------------------------------------------------- load generator
 
 
-def _http_request(body: bytes, port: int) -> bytes:
-    head = (f"POST /route HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+def _http_request(body: bytes, port: int, path: str = "/route") -> bytes:
+    head = (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n\r\n").encode()
     return head + body
 
 
 async def _http_conn(port: int, bodies: list[bytes], stop_at: float, interval_s: float,
-                     lat: list[float], errors: list[int]) -> None:
+                     lat: list[float], errors: list[int], path: str = "/route") -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     i = 0
     next_t = time.perf_counter()
@@ -91,7 +91,7 @@ async def _http_conn(port: int, bodies: list[bytes], stop_at: float, interval_s:
             await asyncio.sleep(next_t - now)
         next_t += interval_s
         t0 = time.perf_counter()
-        writer.write(_http_request(bodies[i % len(bodies)], port))
+        writer.write(_http_request(bodies[i % len(bodies)], port, path))
         i += 1
         status_line = await reader.readline()
         length = 0
@@ -108,7 +108,8 @@ async def _http_conn(port: int, bodies: list[bytes], stop_at: float, interval_s:
     writer.close()
 
 
-def _run_http(port: int, prompts: list[list[int]], conns: int, duration_s: float, rate: float) -> dict[str, Any]:
+def _run_http(port: int, prompts: list[list[int]], conns: int, duration_s: float, rate: float,
+              path: str = "/route") -> dict[str, Any]:
     bodies = [msgspec.json.encode({"token_ids": p}) for p in prompts]
     lat: list[float] = []
     errors: list[int] = []
@@ -117,7 +118,7 @@ def _run_http(port: int, prompts: list[list[int]], conns: int, duration_s: float
     async def main() -> float:
         t0 = time.perf_counter()
         stop_at = t0 + duration_s
-        await asyncio.gather(*(_http_conn(port, bodies[k::conns], stop_at, interval, lat, errors)
+        await asyncio.gather(*(_http_conn(port, bodies[k::conns], stop_at, interval, lat, errors, path)
                                for k in range(conns)))
         return time.perf_counter() - t0
 
@@ -126,7 +127,8 @@ def _run_http(port: int, prompts: list[list[int]], conns: int, duration_s: float
             "p99_ms": _pct(lat, 0.99) * 1e3, "errors": len(errors), "conns": conns, "target_rate": rate}
 
 
-def _run_http_wrk(port: int, prompts: list[list[int]], conns: int, duration_s: float) -> dict[str, Any]:
+def _run_http_wrk(port: int, prompts: list[list[int]], conns: int, duration_s: float,
+                  path: str = "/route") -> dict[str, Any]:
     """Saturation with wrk (C, ~10x cheaper per request than a Python client): cycles 64 bodies."""
     import re
     import shutil
@@ -140,7 +142,7 @@ def _run_http_wrk(port: int, prompts: list[list[int]], conns: int, duration_s: f
             f.write("  [[" + msgspec.json.encode({"token_ids": p}).decode() + "]],\n")
         f.write("}\nlocal i = 0\nwrk.method = 'POST'\nwrk.headers['Content-Type'] = 'application/json'\n"
                 "request = function()\n  i = i % #bodies + 1\n"
-                "  return wrk.format(nil, '/route', nil, bodies[i])\nend\n")
+                f"  return wrk.format(nil, '{path}', nil, bodies[i])\nend\n")
         script = f.name
     out = subprocess.run([wrk, "-t1", f"-c{conns}", f"-d{max(1, round(duration_s))}s", "--latency", "-s", script,
                           f"http://127.0.0.1:{port}"], capture_output=True, text=True, check=True).stdout
@@ -265,9 +267,10 @@ def loadgen_main(args: argparse.Namespace) -> int:
         import shutil
 
         if spec["rate"] == 0 and shutil.which("wrk") and not spec.get("python_client"):
-            out = _run_http_wrk(spec["port"], prompts, spec["conns"], spec["duration_s"])
+            out = _run_http_wrk(spec["port"], prompts, spec["conns"], spec["duration_s"], spec.get("path", "/route"))
         else:
-            out = _run_http(spec["port"], prompts, spec["conns"], spec["duration_s"], spec["rate"])
+            out = _run_http(spec["port"], prompts, spec["conns"], spec["duration_s"], spec["rate"],
+                            spec.get("path", "/route"))
             out["client"] = "python-asyncio"
     elif spec["mode"] == "zmq":
         out = _run_zmq(spec["endpoint"], prompts, spec["window"], spec["duration_s"], spec["rate"])
@@ -545,7 +548,7 @@ def main() -> int:
                         help="tokens per /route request; the first half is cached on some worker")
     parser.add_argument("--zmq-window", type=int, default=32)
     parser.add_argument("--json", metavar="OUT", help="also write the results here")
-    parser.add_argument("--only", choices=("costs", "http", "zmq", "visible"), action="append",
+    parser.add_argument("--only", choices=("costs", "match", "http", "zmq", "visible"), action="append",
                         help="run only these parts (repeatable)")
     args = parser.parse_args()
     if args.role == "loadgen":
@@ -588,7 +591,7 @@ def main() -> int:
                   flush=True)
             return out
 
-        parts = set(args.only or ("http", "zmq", "visible")) - {"costs"}
+        parts = set(args.only or ("match", "http", "zmq", "visible")) - {"costs"}
         # ingest capacity: a burst as fast as the publishers go, until the router has applied it
         _wait_caught_up(http_port, streamer)
         burst = 1000 if args.quick else 3000
@@ -601,6 +604,14 @@ def main() -> int:
         results["ingest_burst"] = {"batches": burst, "stored_blocks": burst * CHAIN_BLOCKS,
                                    "seconds": elapsed, "stored_blocks_per_s": burst * CHAIN_BLOCKS / elapsed}
         print(f"{'ingest_burst':<34} {json.dumps(results['ingest_burst'])}", flush=True)
+        if "match" in parts:
+            # POST /match (no side effects) at saturation, idle vs while events stream in
+            spec = {"mode": "http", "rate": 0, "path": "/match"}
+            idle = phase("http_match_idle_saturation", spec, 0)
+            busy = phase("http_match_saturation", spec, args.blocks_per_s)
+            results["http_match_ratio_streaming_vs_idle"] = busy["req_per_s"] / idle["req_per_s"]
+            print(f"{'http_match_ratio_streaming_vs_idle':<34} {results['http_match_ratio_streaming_vs_idle']:.2f}",
+                  flush=True)
         for kind, target in (("http", 5000), ("zmq", 20000)):
             if kind not in parts:
                 continue

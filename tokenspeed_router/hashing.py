@@ -38,6 +38,11 @@ import xxhash
 
 from tokenspeed_router.errors import WireError
 
+try:  # the compiled hash (csrc/native.c), bit-identical to the definition below
+    from tokenspeed_router._native import hash_blocks as _native_hash_blocks
+except ImportError:
+    _native_hash_blocks = None  # type: ignore[assignment]
+
 __all__ = [
     "ContentHash",
     "HASH_ALGORITHM",
@@ -46,6 +51,7 @@ __all__ = [
     "block_hashes",
     "chain_hash",
     "iter_block_hashes",
+    "reference_block_hashes",
     "root_seed",
     "tokens_to_bytes",
 ]
@@ -137,8 +143,20 @@ def block_hashes(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    data = tokens_to_bytes(token_ids)
     seed = root_seed(lora_id, salt) if parent is None else parent
+    if _native_hash_blocks is not None and not include_partial:
+        try:
+            return _native_hash_blocks(token_ids, block_size, seed)  # type: ignore[return-value]
+        except (OverflowError, TypeError, ValueError) as err:
+            raise WireError(f"token ids must be ints in [0, 2**64): {err}") from err
+    return reference_block_hashes(token_ids, block_size, seed, include_partial)
+
+
+def reference_block_hashes(
+    token_ids: Any, block_size: int, seed: int, include_partial: bool = False
+) -> list[ContentHash]:
+    """The pure-Python definition of :func:`block_hashes` (from a seed), for tests and fallbacks."""
+    data = tokens_to_bytes(token_ids)
     out = list(iter_block_hashes(data, block_size, seed))
     tail = len(data) % (block_size * TOKEN_BYTES)
     if include_partial and tail:

@@ -1,6 +1,7 @@
 """The index behaviour suite, run against every state backend.
 
-``backend`` is (a) a plain in-memory KvIndex fed directly, and (b) an index
+``backend`` is (a) a plain in-memory KvIndex fed directly (on the native core, and again on
+the pure-Python reference core), and (b) an index
 fed through the Redis stream: a leader replica appends each batch, a second
 replica applies it from the stream, and the queries go to that second
 replica (the leader's own index is checked to agree). The same checks must
@@ -29,6 +30,7 @@ from tokenspeed_router.events import (
 )
 from tokenspeed_router.events.log import open_event_source
 from tokenspeed_router.events.subscriber import BatchReceived
+from tokenspeed_router.router import index as index_module
 from tokenspeed_router.router.index import KvIndex
 from tokenspeed_router.router.ingest import IndexIngestor
 from tokenspeed_router.state import LocalIndexHost, RedisStateReplica
@@ -115,10 +117,15 @@ class RedisBackend(MemoryBackend):
         self.leader.close()
 
 
-@pytest.fixture(params=["memory", "redis"])
-def backend(request: pytest.FixtureRequest) -> Iterator[MemoryBackend]:
+@pytest.fixture(params=["memory", "memory-reference-core", "redis"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[MemoryBackend]:
     made: MemoryBackend
-    if request.param == "memory":
+    if request.param == "memory-reference-core":
+        # the same suite on the pure-Python reference index core
+        monkeypatch.setattr(index_module, "_DEFAULT_CORE", "reference")
+        made = MemoryBackend()
+        assert made.host.index.implementation == "reference"
+    elif request.param == "memory":
         made = MemoryBackend()
     else:
         made = RedisBackend(request.getfixturevalue("redis_url"))

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tokenspeed_router.errors import UnknownParentError
 from tokenspeed_router.events.schema import (
@@ -30,12 +30,12 @@ from tokenspeed_router.events.schema import (
     Event,
     KVEventBatch,
 )
-from tokenspeed_router.router.index import KvIndex, MatchDetail, lora_key
+from tokenspeed_router.router.index import NATIVE_AVAILABLE, KvIndex, MatchDetail, lora_key
 
 #: worker -> (block size, external hash style)
 WORKERS = {"a": (2, "u64"), "b": (2, "bytes"), "eng/dp0": (3, "signed"), "eng/dp1": (2, "small")}
 MEDIA = {None: "gpu", "GPU": "gpu", "cpu": "cpu", "CPU_PINNED": "cpu", "DISK": "storage", "weird": "storage"}
-DEFAULT_COMPACT_MIN = KvIndex.compact_min
+MAIN_CORE = "native" if NATIVE_AVAILABLE else "reference"
 NAMESPACES = [(None, None), (1, None), (None, "tenant"), (1, "tenant")]
 TIER_ORDER = ("gpu", "cpu", "storage")
 
@@ -145,24 +145,17 @@ def _state(index: KvIndex) -> Any:
         codes = dict(zip(tier_index, tier_code, strict=True))
         blocks = {e: (c, i in unmatchable, codes.get(i)) for i, (e, c) in enumerate(zip(ext, content, strict=True))}
         workers[name] = (bs, blocks)
-    return workers, dict(index._holders), dict(index._size_masks)
+    return workers, index.num_distinct_blocks(), sorted((w, index.block_size_of(w)) for w in index.workers())
 
 
 class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.index = KvIndex()
+        self.index = KvIndex(core=MAIN_CORE)
+        self.pure = KvIndex(core="reference")  # the readable core, compared step by step
         self.ref = Reference()
         self.counters: dict[Any, int] = {}
         self.rejected = 0
-
-    @initialize(compact_min=st.sampled_from([1, 3, 8192]))
-    def setup(self, compact_min: int) -> None:
-        """Small thresholds move ids into the compacted arrays after almost every batch."""
-        KvIndex.compact_min = compact_min
-
-    def teardown(self) -> None:
-        KvIndex.compact_min = DEFAULT_COMPACT_MIN
 
     # ---- helpers
 
@@ -210,16 +203,18 @@ class IndexMachine(RuleBasedStateMachine):
         try:
             self.ref.apply(worker, events)
         except UnknownParentError:
-            before = _state(self.index)
-            try:
-                self.index.apply(worker, KVEventBatch(0.0, events))
-            except UnknownParentError:
-                self.rejected += 1
-            else:
-                raise AssertionError("index accepted a batch with an unknown parent") from None
-            assert _state(self.index) == before, "rejected batch changed the index"
+            for index in (self.index, self.pure):
+                before = _state(index)
+                try:
+                    index.apply(worker, KVEventBatch(0.0, events))
+                except UnknownParentError:
+                    self.rejected += 1
+                else:
+                    raise AssertionError("index accepted a batch with an unknown parent") from None
+                assert _state(index) == before, "rejected batch changed the index"
             return
-        self.index.apply(worker, KVEventBatch(0.0, events))
+        stats = self.index.apply(worker, KVEventBatch(0.0, events))
+        assert self.pure.apply(worker, KVEventBatch(0.0, events)) == stats
 
     # ---- rules
 
@@ -277,23 +272,26 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(worker=st.sampled_from(list(WORKERS)))
     def restart(self, worker: str) -> None:
         self.index.clear_worker(worker)
+        self.pure.clear_worker(worker)
         if worker in self.ref.workers:
             self.ref.workers[worker] = {}
 
     @rule(worker=st.sampled_from(list(WORKERS)))
     def leave(self, worker: str) -> None:
         self.index.remove_worker(worker)
+        self.pure.remove_worker(worker)
         self.ref.workers.pop(worker, None)
 
     @rule()
     def roundtrip(self) -> None:
         """A restored snapshot and a rebuild from dump_events answer identically."""
-        restored = KvIndex.restore(self.index.snapshot())
-        rebuilt = KvIndex()
+        restored = KvIndex.restore(self.index.snapshot(), core=MAIN_CORE)
+        crossed = KvIndex.restore(self.index.snapshot(), core="reference")
+        rebuilt = KvIndex(core=MAIN_CORE)
         for worker, batches in self.index.dump_events().items():
             for batch in batches:
                 rebuilt.apply(worker, batch)
-        for other in (restored, rebuilt):
+        for other in (restored, crossed, rebuilt):
             assert sorted(other.workers()) == sorted(self.index.workers())
             for worker in self.index.workers():
                 assert other.num_blocks(worker) == self.index.num_blocks(worker)
@@ -313,6 +311,14 @@ class IndexMachine(RuleBasedStateMachine):
                 out.append(([*b.prefix, 0, 1, 2, 0], lora, salt))
                 out.append((list(b.prefix), None if lora else 1, salt))
         return out
+
+    @invariant()
+    def cores_agree(self) -> None:
+        """The compiled core and the reference hold the same state."""
+        assert _state(self.index) == _state(self.pure)
+        keys = ("block_size", "blocks", "tiers", "unmatchable_blocks", "aliased_blocks")
+        mine, pure = self.index.statistics()["workers"], self.pure.statistics()["workers"]
+        assert {w: [s[k] for k in keys] for w, s in mine.items()} == {w: [s[k] for k in keys] for w, s in pure.items()}
 
     @invariant()
     def same_answers(self) -> None:

@@ -15,8 +15,18 @@ from tokenspeed_router.events.schema import (
     KVEventBatch,
 )
 from tokenspeed_router.hashing import block_hashes
-from tokenspeed_router.router.index import KvIndex, lora_key
+from tokenspeed_router.router import index as index_module
+from tokenspeed_router.router.index import NATIVE_AVAILABLE, KvIndex, lora_key
 from tokenspeed_router.router.tiers import normalize_medium
+
+CORES = ["reference", "native"] if NATIVE_AVAILABLE else ["reference"]
+
+
+@pytest.fixture(autouse=True, params=CORES)
+def core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs against both index cores (``KvIndex()`` picks the parameter)."""
+    monkeypatch.setattr(index_module, "_DEFAULT_CORE", request.param)
+    return str(request.param)
 
 BS = 4
 TOKENS = list(range(100, 124))  # 6 full blocks of 4
@@ -76,7 +86,7 @@ def test_content_ids_are_the_shared_hash() -> None:
     index.apply("ours", batch(stored(ids, TOKENS)))  # external ids == content ids
     snap = msgspec.msgpack.decode(index.snapshot())
     (worker,) = snap["workers"]
-    assert worker[2] == ids and worker[3] == ids
+    assert dict(zip(worker[2], worker[3], strict=True)) == {c: c for c in ids}  # entries in no set order
     assert index.match(TOKENS) == {"ours": 6}
 
 
@@ -124,7 +134,16 @@ def test_unknown_parent_raises_and_leaves_index_unchanged() -> None:
         index.apply("fresh", batch(stored([1], TOKENS[:4], parent=5)))
     assert index.workers() == ["w"]
     after = msgspec.msgpack.decode(index.snapshot())
-    assert after["workers"][0][:7] == msgspec.msgpack.decode(before)["workers"][0][:7]
+    assert _entries(after) == _entries(msgspec.msgpack.decode(before))
+
+
+def _entries(snap: dict) -> list:
+    """A snapshot's workers as order-free sets of (ext, content, unmatchable, tier)."""
+    out = []
+    for name, bs, ext, content, unm, tier_index, tier_code, _counters in snap["workers"]:
+        codes = dict(zip(tier_index, tier_code, strict=True))
+        out.append((name, bs, {(e, c, i in unm, codes.get(i)) for i, (e, c) in enumerate(zip(ext, content, strict=True))}))
+    return out
 
 
 def test_mixed_batch_whose_parent_was_just_removed_is_undone() -> None:
@@ -351,9 +370,9 @@ def test_apply_stats() -> None:
     assert (stats.events, stats.stored_blocks, stats.removed_blocks, stats.unknown_removals) == (2, 3, 1, 1)
 
 
-def test_compacted_ids_behave_like_recent_ones() -> None:
-    """With compact_min=1 every batch moves int ids into the sorted arrays."""
-    index = KvIndex(compact_min=1)
+def test_ids_across_batches_tiers_and_cores(core: str) -> None:
+    """Parents, duplicates, tiers and removals across batches; snapshots restore into either core."""
+    index = KvIndex()
     index.apply("w", batch(stored([1, 2, 3], TOKENS[:12])))
     index.apply("w", batch(stored([4], TOKENS[12:16], parent=3)))  # parent already compacted
     assert index.match(TOKENS) == {"w": 4}
@@ -368,7 +387,7 @@ def test_compacted_ids_behave_like_recent_ones() -> None:
         index.apply("w", batch(stored([5], [1, 1, 1, 1], parent=3)))
     index.apply("w", batch(BlockRemoved(block_hashes=[2], medium="GPU")))
     assert index.match(TOKENS) == {"w": 2}  # still on CPU
-    for other in (KvIndex.restore(index.snapshot()), KvIndex.restore(index.snapshot(), compact_min=10**9)):
+    for other in (KvIndex.restore(index.snapshot(), core="reference"), KvIndex.restore(index.snapshot())):
         assert other.match_detail(TOKENS) == index.match_detail(TOKENS)
         assert other.num_blocks("w") == index.num_blocks("w")
     index.apply("w", batch(AllBlocksCleared(medium="cpu")))
@@ -377,8 +396,8 @@ def test_compacted_ids_behave_like_recent_ones() -> None:
     assert index.num_blocks("w") == 0 and index.match(TOKENS) == {"w": 0}
 
 
-def test_compaction_keeps_bytes_and_signed_ids_exact() -> None:
-    index = KvIndex(compact_min=1)
+def test_bytes_and_signed_ids_stay_exact() -> None:
+    index = KvIndex()
     index.apply("b", batch(stored([b"a" * 16, b"b" * 16], TOKENS[:8])))
     index.apply("s", batch(stored([-3, 7, -(2**63)], TOKENS[:12])))
     index.apply("s", batch(stored([b"12"], TOKENS[12:16], parent=-(2**63))))  # b"12" is not the int 12
@@ -389,16 +408,63 @@ def test_compaction_keeps_bytes_and_signed_ids_exact() -> None:
     assert index.match(TOKENS) == {"b": 2, "s": 1}
 
 
-def test_compaction_shrinks_memory_per_block() -> None:
-    from bench_index import retained_bytes  # benchmarks/ (counts the private tables)
-
+def test_native_core_is_compact() -> None:
+    """The compiled core keeps a block in far less memory than the reference's dicts."""
+    if not NATIVE_AVAILABLE:
+        pytest.skip("the native core is not built")
     tokens = list(range(1000, 1000 + 16 * 4000))
     ids = [(i * 0x9E3779B97F4A7C15) % 2**64 for i in range(1, 4001)]
-    sizes = []
-    for compact_min in (10**9, 64):
-        index = KvIndex(compact_min=compact_min)
+    per_block = {}
+    for kind in ("reference", "native"):
+        index = KvIndex(core=kind)
         for i in range(0, 4000, 100):
             index.apply("w", batch(stored(ids[i : i + 100], tokens[i * 16 : (i + 100) * 16], parent=ids[i - 1] if i else None, block_size=16)))
         assert index.match(tokens) == {"w": 4000}
-        sizes.append(retained_bytes(index) / 4000)
-    assert sizes[1] < sizes[0] - 40
+        per_block[kind] = index.memory_bytes() / 4000
+    assert per_block["native"] < 80 < per_block["reference"]
+
+
+def test_pre_hashed_stores_index_the_given_content_hashes() -> None:
+    """A relay's --hashes-only mode (DESIGN §12): no token ids, block_hashes are content hashes."""
+    ids = block_hashes(TOKENS, BS)
+    index = KvIndex()
+    index.apply("relay", batch(BlockStored(block_hashes=ids[:2], parent_block_hash=None, token_ids=[], block_size=BS)))
+    index.apply("relay", batch(BlockStored(block_hashes=ids[2:4], parent_block_hash=ids[1], token_ids=[], block_size=BS)))
+    index.apply("plain", batch(stored([7, 8, 9], TOKENS[:12])))
+    assert index.match(TOKENS) == {"relay": 4, "plain": 3}
+    assert index.block_size_of("relay") == BS
+    index.apply("relay", batch(BlockRemoved(block_hashes=[ids[2]])))
+    assert index.match(TOKENS) == {"relay": 2, "plain": 3}
+    with pytest.raises(UnknownParentError):
+        index.apply("relay", batch(BlockStored(block_hashes=[ids[5]], parent_block_hash=ids[4], token_ids=[], block_size=BS)))
+    assert KvIndex.restore(index.snapshot()).match(TOKENS) == {"relay": 2, "plain": 3}
+    # an engine's signed view of the same 64 bits names the same content
+    signed = [h - 2**64 if h >= 2**63 else h for h in ids]
+    index.apply("signed", batch(BlockStored(block_hashes=signed[:3], parent_block_hash=None, token_ids=[], block_size=BS)))
+    assert index.match(TOKENS)["signed"] == 3
+    index.apply("signed", batch(BlockRemoved(block_hashes=[signed[1]])))
+    assert index.match(TOKENS)["signed"] == 1
+
+
+def test_pre_hashed_stores_reject_non_u64_ids_before_any_change() -> None:
+    index = KvIndex()
+    for bad_ids, parent in (([b"x" * 8], None), ([2**64], None), ([-(2**63) - 1], None), ([1], b"p")):
+        with pytest.raises(WireError):
+            index.apply("relay", batch(BlockStored(block_hashes=bad_ids, parent_block_hash=parent, token_ids=[], block_size=BS)))
+    assert index.workers() == []
+
+
+def test_more_workers_than_one_mask_word() -> None:
+    """Past 64 workers the native core widens its holder masks; answers stay exact."""
+    index = KvIndex()
+    names = [f"w{i}" for i in range(130)]
+    for k, name in enumerate(names):
+        index.apply(name, batch(stored(list(range(1, 2 + k % 6)), TOKENS[: (1 + k % 6) * BS])))
+    assert index.match(TOKENS) == {name: 1 + k % 6 for k, name in enumerate(names)}
+    for name in names[::3]:
+        index.remove_worker(name)
+    index.apply("w1", batch(BlockRemoved(block_hashes=[1])))
+    want = {name: 1 + k % 6 for k, name in enumerate(names) if k % 3}
+    want["w1"] = 0
+    assert index.match(TOKENS) == want
+    assert KvIndex.restore(index.snapshot(), core="reference").match(TOKENS) == want

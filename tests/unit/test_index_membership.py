@@ -14,6 +14,16 @@ from tokenspeed_router.events.schema import (
 from tokenspeed_router.events.subscriber import PublisherRestarted
 from tokenspeed_router.hashing import block_hashes
 from tokenspeed_router.router import IndexIngestor, KvIndex
+from tokenspeed_router.router import index as index_module
+
+CORES = ["reference", "native"] if index_module.NATIVE_AVAILABLE else ["reference"]
+
+
+@pytest.fixture(autouse=True, params=CORES)
+def core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs against both index cores (``KvIndex()`` picks the parameter)."""
+    monkeypatch.setattr(index_module, "_DEFAULT_CORE", request.param)
+    return str(request.param)
 
 TOKENS = list(range(1000, 1064))  # 64 tokens: 16 blocks of 4, 8 of 8, 4 of 16
 ZERO_TIERS = {"gpu": 0, "cpu": 0, "storage": 0}

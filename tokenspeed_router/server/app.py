@@ -7,13 +7,18 @@ Threads and who touches what::
     HTTP event loop     queries (match/route/release/workers) and PUT/DELETE /workers
     tokenspeed-zmq-api  the same queries over a ROUTER socket
 
-The index, the ingestor and the router are mutated only under
-``RouterService._lock``: an item is applied whole under the lock (a batch is
-applied atomically by the index, and the worker's cold flag is updated in the
-same critical section), so a query never sees half a batch or a worker whose
-entries were dropped but not yet marked cold. Queries hold the lock for a
-match or a routing decision (microseconds); the replay round trips of a
-subscriber happen on the ingestion thread *without* the lock.
+Two locks, always taken in this order: ``RouterService._ingest_lock`` (one
+writer into the ingestor and the index at a time) and ``RouterService._lock``
+(the router's state: workers, roles, cold flags, requests in flight). With
+the native index core (``KvIndex.concurrent_reads``) an item is applied
+holding only the ingest lock: the core locks each event and each query on its
+own, so ``/match`` and ``/route`` never wait behind a whole batch (they may see
+a batch half applied, never a block half stored); worker state changes take
+``_lock`` for the moment they touch the router. With the reference core an
+item is applied whole under both locks, as before. Queries hold ``_lock`` for
+a routing decision (microseconds); ``/match`` on the native core takes no
+lock of ours at all. The replay round trips of a subscriber happen on the
+ingestion thread without either lock.
 
 The ingestion seam (for the Redis state backend and anything else that wants
 to sit between the wire and the index)::
@@ -165,7 +170,8 @@ class RouterService:
         self.index = KvIndex()
         self.router = Router(self.index, config.router_config())
         self.ingestor = IndexIngestor(self.index, on_state_change=self._on_state_change)
-        self._lock = threading.Lock()
+        self._ingest_lock = threading.RLock()
+        self._lock = threading.RLock()  # re-entered by _on_state_change under the writers below
         self.metrics = ServiceMetrics(self._lock)
         self.metrics.add_collector(WorkerStateCollector(self._worker_samples))
         self._wall_clock = wall_clock
@@ -337,12 +343,16 @@ class RouterService:
         self._sink.submit(item)
 
     def apply_item(self, item: SubscriberItem) -> None:
-        """Apply one subscriber item atomically (any thread; items of a worker in order)."""
-        with self._lock:
-            self._ensure_worker(item.worker)
-            if isinstance(item, BatchReceived) and item.replayed:
-                self._replayed[item.worker] = self._replayed.get(item.worker, 0) + 1
-            self.ingestor.on_item(item)
+        """Apply one subscriber item (any thread; items of a worker in order)."""
+        with self._ingest_lock:
+            with self._lock:
+                self._ensure_worker(item.worker)
+                if isinstance(item, BatchReceived) and item.replayed:
+                    self._replayed[item.worker] = self._replayed.get(item.worker, 0) + 1
+                if not self.index.concurrent_reads:
+                    self.ingestor.on_item(item)
+            if self.index.concurrent_reads:
+                self.ingestor.on_item(item)  # the core locks per event: queries run meanwhile
             if isinstance(item, BatchReceived) and item.batch.ts > 0:
                 # publisher's timestamp -> visible to queries (same host clock assumed)
                 self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch.ts))
@@ -351,9 +361,13 @@ class RouterService:
         self, worker: str, seq: int, batch: KVEventBatch, recv_time_s: float, *, payload: bytes | None = None
     ) -> None:
         """Apply one recorded batch (log replay, shared-stream followers)."""
-        with self._lock:
-            self._ensure_worker(worker)
-            self.ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
+        with self._ingest_lock:
+            with self._lock:
+                self._ensure_worker(worker)
+                if not self.index.concurrent_reads:
+                    self.ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
+            if self.index.concurrent_reads:
+                self.ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
 
     def _ensure_worker(self, name: str) -> None:
         # under the lock
@@ -376,18 +390,19 @@ class RouterService:
         self.router.set_cold(name, self.ingestor.is_cold(name))
 
     def _on_state_change(self, worker: str, state: WorkerState) -> None:
-        # called by the ingestor, under the lock
-        if worker in self._roles:
-            self.router.set_cold(worker, state is not WorkerState.LIVE)
+        # called by the ingestor, under the ingest lock
+        with self._lock:
+            if worker in self._roles:
+                self.router.set_cold(worker, state is not WorkerState.LIVE)
 
     def _mark_stale(self, name: str) -> None:
-        with self._lock:
+        with self._ingest_lock, self._lock:
             self._ensure_worker(name)
             self.ingestor.mark_stale(name)
 
     def preset_roles(self, roles: Mapping[str, str]) -> None:
         """Declare roles of workers known only from a log (``replay`` reads them from its header)."""
-        with self._lock:
+        with self._ingest_lock, self._lock:
             for name, role in roles.items():
                 if name not in self._roles:
                     self.router.add_worker(name, role)
@@ -409,7 +424,7 @@ class RouterService:
             self.ingestor.add_worker(name)
 
     def _register(self, subs: Iterable[SubscriberSpec]) -> None:
-        with self._lock:
+        with self._ingest_lock, self._lock:
             for sub in subs:
                 self._subs[sub.name] = sub
                 self._ensure_worker(sub.name)
@@ -424,9 +439,16 @@ class RouterService:
         """``POST /match``: per-worker leading blocks held, block sizes, per-tier detail."""
         t0 = time.perf_counter()
         try:
-            with self._lock:
-                detail = self.index.match_detail(token_ids, lora_id=lora_id, salt=salt)
+            index = self.index
+            if index.concurrent_reads:
+                # The native core locks each query and each event itself: a
+                # match never waits behind a whole batch held under our lock.
+                detail = index.match_detail(token_ids, lora_id=lora_id, salt=salt)
                 self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
+            else:
+                with self._lock:
+                    detail = index.match_detail(token_ids, lora_id=lora_id, salt=salt)
+                    self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
         except WireError as err:
             raise ApiError(400, f"invalid token_ids: {err}") from None
         return {"scores": detail.scores, "block_size": detail.block_size, "tiers": detail.tiers}
@@ -580,7 +602,7 @@ class RouterService:
         if self._loop is not None and self._loop.running:
             loop = self._loop
             loop.call(lambda: [loop.close_stream(n) for n in names], timeout_s)
-        with self._lock:
+        with self._ingest_lock, self._lock:
             for n in names:
                 self.router.remove_worker(n)
                 self.ingestor.remove_worker(n)
@@ -626,6 +648,6 @@ class RouterService:
 
     @contextmanager
     def locked(self) -> Iterator[None]:
-        """Hold the index lock (tools that read the index directly)."""
-        with self._lock:
+        """Hold both locks: nothing is applied meanwhile (tools that read or replace the index)."""
+        with self._ingest_lock, self._lock:
             yield
