@@ -260,6 +260,28 @@ def _check_targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def markdown_table(results: dict[str, Any]) -> str:
+    """One markdown row per trace, scenario and router (what docs/compare-routers.md shows)."""
+    lines = ["| trace | scenario | router | TTFT p50 (s) | TTFT p99 (s) | hit | spread | errors |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for trace, per_trace in results.items():
+        for scenario, doc in per_trace.items():
+            if scenario in ("trace_stats", "slice"):
+                continue
+            for router, m in doc["routers"].items():
+                hit = "-" if m.get("hit_ratio") is None else f"{m['hit_ratio']:.1%}"
+                p50 = "-" if m.get("ttft_p50_s") is None else f"{m['ttft_p50_s']:.3f}"
+                p99 = "-" if m.get("ttft_p99_s") is None else f"{m['ttft_p99_s']:.3f}"
+                spread = "-" if m.get("spread_max_over_mean") is None else f"{m['spread_max_over_mean']:.2f}"
+                lines.append(f"| {trace} | {scenario} | {router} | {p50} | {p99} | {hit} | {spread} "
+                             f"| {m.get('errors', 0)} |")
+            met = doc.get("targets_met")
+            if met:
+                lines.append(f"| {trace} | {scenario} | *targets met* | {'yes' if met['ttft_p50'] else 'no'} "
+                             f"| {'yes' if met['ttft_p99'] else 'no'} | {'yes' if met['hit'] else 'no'} | | |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/compare_routers"))
@@ -327,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         workers=[f"engine{i}" for i in range(NUM_ENGINES)], name=f"{trace}-{scenario}.png")
     path = write_results(out, args.out)
     print("\n\n".join(tables))
+    print("\n" + markdown_table(out["results"]))
     print(f"\nresults: {path}\nlogs: {log_root}")
     print(json.dumps({t: {s: v.get("targets_met") for s, v in r.items() if s not in ("trace_stats", "slice")}
                       for t, r in out["results"].items()}))
