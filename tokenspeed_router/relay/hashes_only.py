@@ -32,6 +32,7 @@ Single owner, not thread safe. O(tokens) per stored block.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenspeed_router.errors import WireError
@@ -133,7 +134,7 @@ class ContentHasher:
                 seed = 0
             else:
                 seed = parent_content = known[0]
-        contents: list[int] = block_hashes(toks, bs, parent=seed) if sendable else []
+        contents: Sequence[int] = block_hashes(toks, bs, parent=seed) if sendable else ()
         sent: list[int] = []
         for i, h in enumerate(hashes):
             content = contents[i] if i < len(contents) else None

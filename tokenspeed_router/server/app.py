@@ -186,6 +186,10 @@ class RouterService:
         self._subs: dict[str, SubscriberSpec] = {}  # stream name -> spec
         self._roles: dict[str, str] = {}  # routable worker -> role
         self._replayed: dict[str, int] = {}
+        #: streams whose prefix knowledge the gateway's truth loop distrusts (misaligned)
+        self._distrusted: set[str] = set()
+        #: streams the gateway found unreachable: taken out of routing until they answer
+        self._unreachable: set[str] = set()
         self._serving = False
         self._stopped = False
         self._ingesting = False
@@ -387,13 +391,59 @@ class RouterService:
         (snapshot restore): the router learns the worker and its cold flag.
         """
         self._ensure_worker(name)
-        self.router.set_cold(name, self.ingestor.is_cold(name))
+        if name not in self._unreachable:
+            self.router.set_cold(name, self.ingestor.is_cold(name) or name in self._distrusted)
 
     def _on_state_change(self, worker: str, state: WorkerState) -> None:
         # called by the ingestor, under the ingest lock
         with self._lock:
-            if worker in self._roles:
-                self.router.set_cold(worker, state is not WorkerState.LIVE)
+            if worker in self._roles and worker not in self._unreachable:
+                self.router.set_cold(worker, state is not WorkerState.LIVE or worker in self._distrusted)
+
+    def set_distrusted(self, name: str, distrusted: bool) -> None:
+        """Route ``name`` on load only (its prefix score ignored) while ``distrusted``.
+
+        The gateway's truth loop calls this for a worker whose engine keeps
+        reporting cached tokens that disagree with the index (DESIGN §10).
+        """
+        with self._lock:
+            if distrusted:
+                self._distrusted.add(name)
+            else:
+                self._distrusted.discard(name)
+            if name in self._roles and name not in self._unreachable:
+                self.router.set_cold(name, distrusted or self.ingestor.is_cold(name))
+
+    def set_reachable(self, name: str, reachable: bool) -> None:
+        """Take ``name`` out of routing (its engine refuses connections) or put it back.
+
+        Its index entries stay: they are still what the engine holds. Its
+        in-flight load is forgotten while it is out.
+        """
+        with self._lock:
+            if name not in self._roles:
+                return
+            if reachable:
+                if name in self._unreachable:
+                    self._unreachable.discard(name)
+                    self.router.add_worker(name, self._roles[name])
+                    self.router.set_cold(name, name in self._distrusted or self.ingestor.is_cold(name))
+            elif name not in self._unreachable:
+                self._unreachable.add(name)
+                self.router.remove_worker(name)
+
+    def mark_prefill_done(self, request_id: str) -> bool:
+        """The request's first token arrived: its prefill no longer counts as queued load."""
+        with self._lock:
+            return self.router.mark_prefill_done(request_id)
+
+    def worker_specs(self) -> dict[str, WorkerSpec]:
+        """The configured workers (``--worker`` and ``PUT /workers``) by name."""
+        return dict(self._specs)
+
+    def stream_specs(self) -> dict[str, SubscriberSpec]:
+        """Every subscribed stream (one per worker, or one per DP rank) by stream name."""
+        return dict(self._subs)
 
     def _mark_stale(self, name: str) -> None:
         with self._ingest_lock, self._lock:
@@ -420,7 +470,8 @@ class RouterService:
         self.ingestor = IndexIngestor(index, on_state_change=self._on_state_change)
         self.router = Router(index, self.router.config)
         for name, role in self._roles.items():
-            self.router.add_worker(name, role)
+            if name not in self._unreachable:
+                self.router.add_worker(name, role)
             self.ingestor.add_worker(name)
 
     def _register(self, subs: Iterable[SubscriberSpec]) -> None:
@@ -535,14 +586,34 @@ class RouterService:
         return out
 
     def health(self) -> dict[str, Any]:
-        """``GET /health``: cheap, lock-free liveness summary."""
+        """``GET /health``: a cheap summary, and whether routing can be trusted.
+
+        ``status`` is ``ok``; ``unavailable`` when every configured stream is
+        stale (no event stream reaches us: the index cannot be trusted) or the
+        state backend reports itself disconnected; ``stopping`` during
+        shutdown. ``problems`` says why. HTTP answers 503 for anything but
+        ``ok``/``degraded`` (see ``server/http.py``).
+        """
+        state = self._state_health() if self._state_health is not None else None
+        problems: list[str] = []
+        if self._subs:
+            with self._lock:
+                states = [st.state for st in self.ingestor.statuses().values()]
+            if states and all(s is WorkerState.STALE for s in states):
+                problems.append(f"every worker is stale ({len(states)} stream(s) unreachable)")
+        if state is not None and state.get("connected") is False:
+            problems.append("state backend unreachable")
+        status = "ok" if self._serving or self._loop is None else "stopping"
+        if problems and status == "ok":
+            status = "unavailable"
         return {
-            "status": "ok" if self._serving or self._loop is None else "stopping",
+            "status": status,
+            "problems": problems,
             "uptime_s": round(time.monotonic() - self._started_s, 3),
             "workers": len(self._roles),
             "ingesting": self._loop is not None and self._loop.running,  # the loop runs
             "subscribed": self._ingesting,  # False while a replicated backend leads elsewhere
-            **({"state": self._state_health()} if self._state_health is not None else {}),
+            **({"state": state} if state is not None else {}),
         }
 
     # --- run-time membership -----------------------------------------------------------
@@ -607,6 +678,8 @@ class RouterService:
                 self.router.remove_worker(n)
                 self.ingestor.remove_worker(n)
                 self._roles.pop(n, None)
+                self._distrusted.discard(n)
+                self._unreachable.discard(n)
                 self._subs.pop(n, None)
                 self._replayed.pop(n, None)
             self.metrics.workers.set(len(self._subs))

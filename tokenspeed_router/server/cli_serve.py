@@ -21,9 +21,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.server.config import ServerConfig, load_server_config
 
-__all__ = ["add_arguments", "add_listener_arguments", "config_from_args", "run"]
+__all__ = ["add_arguments", "add_gateway_arguments", "add_listener_arguments", "config_from_args", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker", action="append", metavar="SPEC",
         help="name=NAME,events=ENDPOINT[,replay=ENDPOINT][,role=prefill|decode|both][,dp_ranks=N][,topic=T]"
-        "[,curve_server_key=RELAY.key,curve_key=OWN.key_secret] (repeatable; env TOKENSPEED_ROUTER_WORKER(S)='spec;spec'; TOML [[worker]])",
+        "[,url=http://HOST:PORT][,curve_server_key=RELAY.key,curve_key=OWN.key_secret] "
+        "(repeatable; env TOKENSPEED_ROUTER_WORKER(S)='spec;spec'; TOML [[worker]])",
     )
     parser.add_argument("--config", metavar="FILE", help="TOML config file (env TOKENSPEED_ROUTER_CONFIG)")
     parser.add_argument("--state", metavar="URL", help="shared state backend, e.g. redis://127.0.0.1:6379/0")
@@ -75,7 +77,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mark a worker stale after its endpoint has been unreachable for S seconds (default 10)",
     )
     parser.add_argument("--replay-timeout-s", type=float, metavar="S", help="gap replay timeout (default 2)")
+    add_gateway_arguments(parser)
     add_listener_arguments(parser)
+
+
+def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    """The OpenAI gateway's flags (DESIGN §10; docs/gateway.md). Each is also a TOML key and
+    a TOKENSPEED_ROUTER_<KEY> variable, spelled with '_'."""
+    g = parser.add_argument_group("OpenAI gateway (workers with url=)")
+    g.add_argument(
+        "--tokenizer", metavar="engine|PATH",
+        help="how text and chat prompts become token ids: 'engine' (default) asks the worker's "
+        "POST /tokenize; PATH loads a Hugging Face tokenizer.json (+ tokenizer_config.json chat template)",
+    )
+    g.add_argument("--upstream-timeout-s", type=float, metavar="S",
+                   help="longest wait on an engine for its first byte or between two stream chunks (default 600)")
+    g.add_argument("--upstream-connect-timeout-s", type=float, metavar="S",
+                   help="connect timeout to an engine (default 5)")
+    g.add_argument("--upstream-max-connections", type=int, metavar="N",
+                   help="pooled connections to engines, all workers together (default 1024)")
+    g.add_argument("--upstream-retries", type=int, metavar="N",
+                   help="other workers tried when one refuses or drops the connection before answering (default 2)")
+    g.add_argument("--worker-down-cooldown-s", type=float, metavar="S",
+                   help="a down worker is routed to again when its /health answers, or after S seconds (default 30)")
+    g.add_argument("--truth-window", type=int, metavar="N",
+                   help="judge each worker's reported cached tokens over its last N informative requests (default 16)")
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> ServerConfig:
@@ -96,6 +122,8 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> ServerConfig
         "max_body_bytes": args.max_body_bytes,
         "max_tokens": args.max_tokens,
     }
+    for key in GatewayConfig.setting_names():
+        flags[key] = getattr(args, key, None)
     flags.update(overrides)
     return load_server_config(flags, os.environ, getattr(args, "config", None))
 

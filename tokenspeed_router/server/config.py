@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.events.curve import CurveClientKeys
+from tokenspeed_router.gateway.config import GatewayConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -66,10 +67,11 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 ENV_PREFIX = "TOKENSPEED_ROUTER_"
 
 #: keys a worker spec accepts (``--worker k=v,...``, a ``[[workers]]`` table, PUT /workers body)
-WORKER_KEYS = ("name", "events", "replay", "role", "dp_ranks", "topic", "curve_server_key", "curve_key")
+WORKER_KEYS = ("name", "events", "replay", "role", "dp_ranks", "topic", "curve_server_key", "curve_key", "url")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
 _TCP_RE = re.compile(r"^tcp://(?P<host>\[[^\]\s]+\]|[^:/\[\]\s]+):(?P<port>\d+|\*)$")
 MAX_DP_RANKS = 1024
+_URL_RE = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]\s]+)(:\d{1,5})?(/\S*)?$")
 
 
 # --------------------------------------------------------------------------- endpoints
@@ -200,8 +202,10 @@ class SubscriberSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerSpec:
-    """A configured worker: ``name=...,events=...,replay=...,role=...,dp_ranks=N,topic=...``.
+    """A configured worker: ``name=...,events=...,replay=...,role=...,dp_ranks=N,topic=...,url=...``.
 
+    ``url`` (``http://host:port``) is the engine's OpenAI-compatible server:
+    the gateway (DESIGN §10) proxies to workers that have one.
     ``curve_server_key=FILE`` (the relay's public certificate) and
     ``curve_key=FILE`` (this router's secret certificate, ``NAME.key_secret``)
     subscribe over ZeroMQ CURVE, to a relay started with ``--curve-*``.
@@ -215,6 +219,7 @@ class WorkerSpec:
     topic: str = ""
     curve_server_key: str | None = None
     curve_key: str | None = None
+    url: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -234,6 +239,8 @@ class WorkerSpec:
             raise ConfigError(f"{what}: dp_ranks must be in 1..{MAX_DP_RANKS}, got {self.dp_ranks}")
         if not isinstance(self.topic, str):
             raise ConfigError(f"{what}: topic must be a string, got {self.topic!r}")
+        if self.url is not None and (not isinstance(self.url, str) or not _URL_RE.match(self.url)):
+            raise ConfigError(f"{what}: url must be http://HOST[:PORT][/PATH], got {self.url!r}")
         if self.events == self.replay:
             raise ConfigError(f"{what}: events and replay endpoints must differ ({self.events})")
         if (self.curve_server_key is None) != (self.curve_key is None):
@@ -291,6 +298,9 @@ class WorkerSpec:
             except ValueError:
                 raise ConfigError(f"{source}: dp_ranks must be an integer, got {dp_ranks!r}") from None
         replay = values.get("replay") or None
+        url = values.get("url") or None
+        if isinstance(url, str):
+            url = url.rstrip("/") or None  # http://h:8000/ and http://h:8000 are one engine
         return cls(
             name=values["name"],
             events=values["events"],
@@ -300,6 +310,7 @@ class WorkerSpec:
             topic=values.get("topic", "") or "",
             curve_server_key=values.get("curve_server_key") or None,
             curve_key=values.get("curve_key") or None,
+            url=url,
         )
 
     def subscribers(self) -> tuple[SubscriberSpec, ...]:
@@ -371,6 +382,7 @@ class ServerConfig:
     stale_after_s: float = 10.0
     replay_timeout_s: float = 2.0
     inflight_timeout_s: float | None = None
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     def __post_init__(self) -> None:
         names: set[str] = set()
@@ -437,6 +449,7 @@ _SCALAR_KEYS = (
     "inflight_timeout_s",
     "max_body_bytes",
     "max_tokens",
+    *GatewayConfig.setting_names(),
 )
 _LIST_KEYS = ("workers",)
 _TABLE_KEYS = ("router",)
@@ -679,6 +692,7 @@ def load_server_config(
             limits[key] = _parse_int(got[0], f"{key} ({got[1]})")
     if limits:
         kwargs["limits"] = ApiLimits(**limits)
+    kwargs["gateway"] = _gateway_config(pick)
     # Router knobs merge key by key (unlike workers): a flag overriding one knob
     # should not reset the others set in the file. ``policy`` may be given at
     # top level or inside the router table; the highest layer wins.
@@ -698,6 +712,33 @@ def load_server_config(
         options.update({k: v for k, v in table.items() if k != "policy"})
     kwargs["router_options"] = options
     return ServerConfig(**kwargs)
+
+
+def _gateway_config(pick: Any) -> GatewayConfig:
+    """The gateway settings from the layers (numbers may come as text from env/flags)."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(GatewayConfig):
+        got = pick(f.name)
+        if got is None:
+            continue
+        value, source = got
+        what = f"{f.name} ({source})"
+        if f.name == "tokenizer":
+            if not isinstance(value, str):
+                raise ConfigError(f"{what}: expected 'engine' or a path, got {value!r}")
+            values[f.name] = value
+        elif f.name.endswith("_s"):
+            values[f.name] = _parse_float(value, what)
+        elif f.name == "upstream_retries":
+            if isinstance(value, bool):
+                raise ConfigError(f"{what}: expected an integer, got {value!r}")
+            try:
+                values[f.name] = int(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{what}: expected an integer, got {value!r}") from None
+        else:
+            values[f.name] = _parse_int(value, what)
+    return GatewayConfig(**values)
 
 
 def layers_index(layers: list[tuple[str, Mapping[str, Any]]], source: str) -> int:

@@ -1,0 +1,306 @@
+"""The gateway's HTTP endpoints, mounted into the router's Starlette app.
+
+``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/models``
+(DESIGN §10) are plain ASGI endpoints, like the router's own: a capped body
+read, then :class:`~tokenspeed_router.gateway.proxy.Proxy`. While a request is
+being answered, the endpoint also listens for the client going away; a
+disconnect cancels the upstream call (the engine sees its connection close
+and aborts) and the router releases the request at once.
+
+Authentication: with ``--auth-token`` set, ``/v1/*`` needs it too (clients
+use it as their API key) and the client's ``Authorization`` header is not
+passed on; without it, the client's header goes to the engine unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.routing import Route
+
+from tokenspeed_router.gateway.config import GatewayConfig
+from tokenspeed_router.gateway.openai import (
+    OpenAIError,
+    ParsedRequest,
+    parse_chat,
+    parse_completion,
+)
+from tokenspeed_router.gateway.proxy import Proxy
+from tokenspeed_router.gateway.tokenize import load_tokenizer
+from tokenspeed_router.gateway.truth import TruthCollector, TruthLoop
+from tokenspeed_router.gateway.upstream import Upstreams
+from tokenspeed_router.server.api import ApiError, check_bearer
+
+__all__ = ["Gateway"]
+
+logger = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ReadBody = Callable[[Receive, "bytes | None", int], Awaitable[bytes]]
+
+
+class Gateway:
+    """The OpenAI-compatible front of one :class:`RouterService`."""
+
+    def __init__(self, service: Any, config: GatewayConfig, read_body: ReadBody) -> None:
+        self._service = service
+        self.config = config
+        self._read_body = read_body
+        self.upstreams = Upstreams(service, config)
+        self.truth = TruthLoop(config.truth_window, service.set_distrusted)
+        self.proxy = Proxy(service, config, self.upstreams, load_tokenizer(config.tokenizer, self.upstreams.client),
+                           self.truth)
+        token = service.config.auth_token
+        self._expected = token.encode() if token else None
+        self._max_body = service.config.limits.max_body_bytes
+        self._max_tokens = service.config.limits.max_tokens
+        service.metrics.add_collector(TruthCollector(self.truth))
+        service.metrics.add_collector(_GatewayCollector(self))
+        specs = service.config.workers
+        without = [s.name for s in specs if s.url is None]
+        if specs and without and len(without) < len(specs):
+            logger.warning("workers %s have no url: the gateway cannot proxy to them if the router picks them",
+                           ", ".join(without))
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/completions", _Asgi(self._completions), methods=["POST"]),
+            Route("/v1/chat/completions", _Asgi(self._chat), methods=["POST"]),
+            Route("/v1/models", _Asgi(self._models), methods=["GET"]),
+        ]
+
+    def front(self, app: Any) -> Any:
+        """``app`` with the two POST endpoints answered before Starlette sees them.
+
+        Starlette's middleware wraps every ``send`` of every stream chunk in
+        two more coroutines; the proxy path needs none of it (it handles its
+        own errors).
+        """
+        fast = {"/v1/completions": _Asgi(self._completions), "/v1/chat/completions": _Asgi(self._chat)}
+
+        async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http" and scope["method"] == "POST":
+                endpoint = fast.get(scope["path"])
+                if endpoint is not None:
+                    await endpoint(scope, receive, send)
+                    return
+            await app(scope, receive, send)
+
+        return asgi
+
+    async def aclose(self) -> None:
+        await self.upstreams.aclose()
+
+    # --- what /workers and /health add ---------------------------------------------------
+
+    def worker_info(self, stream: str) -> dict[str, Any]:
+        """The gateway's part of a ``GET /workers`` entry."""
+        sub = self._service.stream_specs().get(stream)
+        worker = sub.worker if sub is not None else stream
+        spec = self._service.worker_specs().get(worker)
+        truth = self.truth.status(stream)
+        return {
+            "url": spec.url if spec is not None else None,
+            "reachable": not self.upstreams.is_down(worker),
+            "misaligned": truth["misaligned"],
+            "truth": truth,
+        }
+
+    def annotate_health(self, health: dict[str, Any]) -> dict[str, Any]:
+        """Add misaligned and down workers to ``GET /health``.
+
+        A misaligned worker turns ``ok`` into ``degraded`` (still 200: the
+        gateway serves, routing it on load); no reachable engine at all is
+        ``unavailable`` (503).
+        """
+        misaligned = self.truth.misaligned()
+        down = sorted(self.upstreams.down())
+        health["misaligned"] = misaligned
+        health["down"] = down
+        problems = health.setdefault("problems", [])
+        for name, cause in sorted(misaligned.items()):
+            problems.append(f"worker {name} misaligned: {cause}")
+        urls = [s for s in self._service.worker_specs().values() if s.url is not None]
+        if urls and len(down) >= len(urls):
+            problems.append("every engine is down")
+            if health.get("status") in ("ok", "degraded"):
+                health["status"] = "unavailable"
+        elif (misaligned or down) and health.get("status") == "ok":
+            for name in down:
+                problems.append(f"worker {name} down (its engine refused or dropped the connection)")
+            health["status"] = "degraded"
+        return health
+
+    # --- endpoints -------------------------------------------------------------------
+
+    def _check(self, scope: Scope) -> dict[str, str]:
+        """Auth; returns the headers to pass on to the engine."""
+        authorization: bytes | None = None
+        for key, value in scope["headers"]:
+            if key == b"authorization":
+                authorization = value
+        if self._expected is not None:
+            presented = authorization.decode("latin-1") if authorization is not None else None
+            try:
+                check_bearer(presented, self._expected, header=True)
+            except ApiError as err:
+                raise OpenAIError(err.status, err.message, code="invalid_api_key") from None
+            return {}
+        return {"authorization": authorization.decode("latin-1")} if authorization is not None else {}
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes:
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        try:
+            return await self._read_body(receive, length, self._max_body)
+        except ApiError as err:
+            raise OpenAIError(err.status, err.message, code="invalid_body") from None
+
+    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = self._check(scope)
+        req = parse_completion(await self._body(scope, receive), max_tokens=self._max_tokens)
+        await self._serve(req, headers, receive, send)
+
+    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = self._check(scope)
+        req = parse_chat(await self._body(scope, receive), max_tokens=self._max_tokens)
+        await self._serve(req, headers, receive, send)
+
+    async def _serve(self, req: ParsedRequest, headers: dict[str, str], receive: Receive, send: Send) -> None:
+        """Run the proxy, cancelling it if the client disconnects first."""
+        sent = finished = False
+
+        async def tracked(message: dict[str, Any]) -> None:
+            nonlocal sent, finished
+            sent = True
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True  # from here on, a "disconnect" is just the answer being complete
+            await send(message)
+
+        async def answer() -> None:
+            tokens = await self.proxy.token_ids(req)
+            await self.proxy.handle(req, tokens, tracked, headers)
+
+        work = asyncio.ensure_future(answer())
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if finished and not work.done():
+                await asyncio.wait({work})  # answered in full: let it finish its bookkeeping
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()  # the client went away (or we are being cancelled ourselves)
+                self.proxy.stats.disconnects += 1
+                logger.debug("client disconnected: request cancelled")
+            await asyncio.wait({work, watch})
+        if work.cancelled():
+            return
+        err = work.exception()
+        if err is None:
+            return
+        if not sent:
+            raise err  # OpenAIError -> its answer; anything else -> a logged 500
+        logger.error("gateway request failed after its answer started: %r", err)
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = self._check(scope)
+        urls = self.upstreams.worker_urls()
+        if not urls:
+            raise OpenAIError(503, "no reachable worker with a url", code="no_worker_available")
+        client = self.upstreams.client()
+
+        timeout = aiohttp.ClientTimeout(total=min(10.0, self.config.upstream_timeout_s))
+
+        async def ask(url: str) -> list[dict[str, Any]]:
+            try:
+                async with client.get(f"{url}/v1/models", headers=headers, timeout=timeout) as resp:
+                    data = (await resp.json(content_type=None)).get("data") if resp.status == 200 else None
+            except Exception as err:  # one bad engine must not hide the others' models
+                logger.debug("GET %s/v1/models failed: %r", url, err)
+                return []
+            return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)] if isinstance(
+                data, list) else []
+
+        answers = await asyncio.gather(*(ask(u) for u in sorted(set(urls.values()))))
+        models: dict[str, dict[str, Any]] = {}
+        for listing in answers:
+            for m in listing:
+                models.setdefault(m["id"], m)
+        if not models and not any(answers):
+            raise OpenAIError(502, "no worker answered GET /v1/models", code="upstream_error")
+        await _send_json(send, 200, {"object": "list", "data": list(models.values())})
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _send_json(send: Send, status: int, obj: Any, body: bytes | None = None) -> None:
+    import msgspec
+
+    data = body if body is not None else msgspec.json.encode(obj)
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+class _Asgi:
+    """An ASGI endpoint whose :class:`OpenAIError` becomes an OpenAI-shaped error answer."""
+
+    def __init__(self, handler: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self._handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._handler(scope, receive, send)
+        except OpenAIError as err:
+            extra = [(b"www-authenticate", b"Bearer")] if err.status == 401 else []
+            body = err.body()
+            await send({"type": "http.response.start", "status": err.status, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]})
+            await send({"type": "http.response.body", "body": body})
+        except Exception:
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            await _send_json(send, 500, None, OpenAIError(500, "internal error (logged by the router)").body())
+
+
+class _GatewayCollector(Collector):
+    """Request outcomes, retries, down workers (``tokenspeed_gateway_*``)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gw = gateway
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        stats = self._gw.proxy.stats
+        requests = CounterMetricFamily("tokenspeed_gateway_requests", "gateway requests by worker and outcome",
+                                       labels=["worker", "outcome"])
+        for (worker, outcome), n in sorted(stats.requests.items()):
+            requests.add_metric([worker, outcome], float(n))
+        yield requests
+        yield CounterMetricFamily("tokenspeed_gateway_retries", "requests moved to another worker after a "
+                                  "connection failure", value=float(stats.retries))
+        yield CounterMetricFamily("tokenspeed_gateway_tokenize_failures", "prompts routed on load only because "
+                                  "tokenizing failed", value=float(stats.tokenize_failures))
+        yield CounterMetricFamily("tokenspeed_gateway_client_disconnects", "requests cancelled because the "
+                                  "client went away", value=float(stats.disconnects))
+        yield CounterMetricFamily("tokenspeed_gateway_worker_down_events", "times a worker was marked down",
+                                  value=float(self._gw.upstreams.down_events))
+        down = GaugeMetricFamily("tokenspeed_gateway_worker_down", "1 while the worker is marked down",
+                                 labels=["worker"])
+        for worker in self._gw.upstreams.down():
+            down.add_metric([worker], 1.0)
+        yield down

@@ -1,0 +1,383 @@
+"""One OpenAI request through the gateway: route, forward, relay, learn, release.
+
+::
+
+    parse (openai.py) -> token ids (as given, or tokenize.py)
+      -> index view of the prompt (for the truth loop) + RouterService.route()
+      -> one leg to the chosen worker, or the two P/D legs (prefill, then decode)
+      -> relay: JSON answer as is, or SSE event by event (sse.py)
+      -> usage.cached_tokens -> TruthLoop.observe()
+      -> RouterService.release()  (always: end, error, client disconnect)
+
+Failures: a connection refused, reset or dropped before the engine sent its
+first byte marks the worker down (upstream.py) and the request is routed again
+among the others, at most ``upstream_retries`` times; a stream that breaks
+after its first byte ends with an SSE error event; an engine that answers
+with an error status is relayed as it is (its body is already OpenAI-shaped).
+A timeout is a 504, not a retry: a slow engine is busy, not gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from tokenspeed_router.gateway.config import GatewayConfig
+from tokenspeed_router.gateway.openai import OpenAIError, ParsedRequest
+from tokenspeed_router.gateway.sse import SseRelay, sse_error_event
+from tokenspeed_router.gateway.tokenize import PromptTokenizer, TokenizeError
+from tokenspeed_router.gateway.truth import TruthLoop, TruthSample, cap_prediction
+from tokenspeed_router.gateway.upstream import Target, Upstreams, is_timeout, is_unreachable
+from tokenspeed_router.server.api import ApiError
+
+__all__ = ["GatewayStats", "Proxy"]
+
+logger = logging.getLogger(__name__)
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+_JSON = b"application/json"
+#: what a failing engine connection can raise
+_TRANSPORT = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+class _Unreachable(Exception):
+    """The worker failed before its first byte (retry on another)."""
+
+    def __init__(self, target: Target, err: BaseException) -> None:
+        super().__init__(f"{type(err).__name__}: {err}")
+        self.target = target
+        #: no connection could be made (refused, unroutable, connect timeout); otherwise an
+        #: established connection was closed or reset before the answer started
+        self.refused = isinstance(err, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+
+
+def _before_first_byte(target: Target, err: BaseException, what: str) -> Exception:
+    """The error to raise for a transport failure before the client got anything."""
+    if is_unreachable(err):
+        return _Unreachable(target, err)
+    if is_timeout(err):
+        return OpenAIError(504, f"{what} {target.worker!r} timed out", code="upstream_timeout")
+    return OpenAIError(502, f"{what} {target.worker!r} failed: {type(err).__name__}: {err}", code="upstream_error")
+
+
+@dataclass
+class GatewayStats:
+    """Plain counters, mutated on the event loop only and exported at scrape time."""
+
+    requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (worker, outcome) -> n
+    retries: int = 0
+    tokenize_failures: int = 0
+    disconnects: int = 0
+
+    def count(self, worker: str, outcome: str) -> None:
+        key = (worker, outcome)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+
+@dataclass
+class _Plan:
+    """A routing decision turned into destinations."""
+
+    request_id: str
+    site: Target  # where the prompt is prefilled
+    decode: Target  # where tokens are generated (== site unless remote prefill)
+    remote_prefill: bool
+    predicted: int  # index view of the site's prefix, in tokens (0 when unknown)
+    block_size: int
+
+
+class Proxy:
+    """Carries requests to engines; one per gateway."""
+
+    def __init__(self, service: Any, config: GatewayConfig, upstreams: Upstreams,
+                 tokenizer: PromptTokenizer, truth: TruthLoop) -> None:
+        self._service = service
+        self._config = config
+        self._up = upstreams
+        self._tokenizer = tokenizer
+        self._truth = truth
+        self.stats = GatewayStats()
+        self._turn = 0
+        self._warned_tokenize = False
+
+    # --- token ids -----------------------------------------------------------------
+
+    async def token_ids(self, req: ParsedRequest) -> list[int]:
+        """The prompt's token ids; ``[]`` (route on load) when tokenizing fails."""
+        if req.token_ids is not None:
+            return req.token_ids
+        self._turn += 1
+        url = self._up.any_url(self._turn)
+        try:
+            if req.kind == "chat":
+                return await self._tokenizer.chat_tokens(req.body, url)
+            assert req.text is not None
+            return await self._tokenizer.completion_tokens(req.text, req.body, url)
+        except TokenizeError as err:
+            self.stats.tokenize_failures += 1
+            if not self._warned_tokenize:
+                self._warned_tokenize = True
+                logger.warning("tokenizing a prompt failed (%s): routing such requests on load only "
+                               "(tokenspeed_gateway_tokenize_failures_total counts them)", err)
+            return []
+
+    # --- routing -------------------------------------------------------------------
+
+    def _plan(self, tokens: list[int], request_id: str) -> _Plan:
+        service = self._service
+        view: dict[str, Any] | None = None
+        try:
+            if tokens:
+                view = service.match(tokens)
+            decision = service.route(tokens, request_id=request_id)
+        except ApiError as err:
+            if err.status != 503:
+                raise OpenAIError(err.status, err.message, code="invalid_value") from None
+            down = sorted(self._up.down())
+            message = f"no worker available (down: {', '.join(down)})" if down else err.message
+            raise OpenAIError(503, message, code="no_worker_available") from None
+        targets = self._up.targets()
+        site_name = decision["worker"]
+        decode_name = decision["decode_worker"]
+        site = targets.get(site_name)
+        decode = targets.get(decode_name)
+        if site is None or decode is None:
+            service.release(request_id)
+            missing = site_name if site is None else decode_name
+            if not targets:
+                raise OpenAIError(503, "no worker has a url: give workers url=http://HOST:PORT to proxy to them",
+                                  code="no_worker_available")
+            raise OpenAIError(503, f"the router chose worker {missing!r}, which has no url to proxy to",
+                              code="no_worker_available")
+        predicted, block_size = 0, 0
+        if view is not None:
+            block_size = int(view["block_size"].get(site_name) or 0)
+            predicted = int(view["scores"].get(site_name, 0)) * block_size
+        return _Plan(request_id, site, decode, decision["prefill_worker"] is not None, predicted, block_size)
+
+    # --- the request ---------------------------------------------------------------
+
+    async def handle(self, req: ParsedRequest, tokens: list[int], send: Send,
+                     headers: dict[str, str]) -> None:
+        """Answer ``req`` on ``send``; raises :class:`OpenAIError` before anything is sent."""
+        request_id = f"gw-{uuid.uuid4().hex}"
+        attempts = 0
+        dropped = False  # a connection already dropped before answering for this request
+        try:
+            while True:
+                plan = self._plan(tokens, request_id)
+                try:
+                    if plan.remote_prefill:
+                        await self._disaggregated(req, tokens, plan, send, headers)
+                    else:
+                        await self._one_leg(req, tokens, plan, plan.site, req.body, send, headers,
+                                            observe=True, extra=None)
+                    return
+                except _Unreachable as err:
+                    if err.refused or dropped:
+                        self._up.mark_down(err.target, str(err))
+                    else:
+                        # A pooled keep-alive connection the engine closed at the same moment
+                        # looks like this too: try again (a fresh connection) before calling
+                        # the worker down; a dead engine then refuses the connection.
+                        dropped = True
+                    self.stats.count(err.target.stream, "unreachable")
+                    attempts += 1
+                    if attempts > self._config.upstream_retries:
+                        raise OpenAIError(
+                            502, f"worker {err.target.worker!r} unreachable ({err}) after {attempts} attempt(s)",
+                            code="upstream_unreachable") from None
+                    self.stats.retries += 1
+        finally:
+            self._service.release(request_id)
+
+    def _prefill_done(self, request_id: str) -> None:
+        self._service.mark_prefill_done(request_id)
+
+    async def _disaggregated(self, req: ParsedRequest, tokens: list[int], plan: _Plan, send: Send,
+                             headers: dict[str, str]) -> None:
+        """vLLM's P/D protocol: a 1-token prefill leg, then the decode leg with its kv_transfer_params."""
+        body = dict(req.body)
+        body["max_tokens"] = 1
+        if req.kind == "chat":
+            body["max_completion_tokens"] = 1
+        body["stream"] = False
+        body.pop("stream_options", None)
+        body["kv_transfer_params"] = {"do_remote_decode": True}
+        site = plan.site
+        resp = await self._open(site, req.path, body, headers, "prefill worker")
+        try:
+            content = await resp.read()
+        except _TRANSPORT as err:
+            resp.close()
+            raise _before_first_byte(site, err, "prefill worker") from err
+        resp.release()
+        if resp.status != 200:
+            self.stats.count(site.stream, f"http_{resp.status}")
+            await _reply(send, resp.status, content, _content_type(resp), [
+                (b"x-tokenspeed-worker", site.stream.encode()),
+                (b"x-tokenspeed-prefill-worker", site.stream.encode())])
+            return
+        try:
+            answer = _decoder.decode(content)
+        except msgspec.DecodeError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise OpenAIError(502, f"prefill worker {site.worker!r} answered invalid JSON", code="upstream_error")
+        self.stats.count(site.stream, "prefill")
+        self._learn(site.stream, plan, tokens, answer.get("usage"))
+        self._prefill_done(plan.request_id)
+        kv = answer.get("kv_transfer_params")
+        if kv is None:
+            logger.debug("prefill worker %s returned no kv_transfer_params: decode prefills locally", site.worker)
+        decode_body = dict(req.body)
+        decode_body["kv_transfer_params"] = kv
+        await self._one_leg(req, tokens, plan, plan.decode, decode_body, send, headers, observe=False,
+                            extra=[(b"x-tokenspeed-prefill-worker", site.stream.encode())])
+
+    async def _one_leg(self, req: ParsedRequest, tokens: list[int], plan: _Plan, target: Target,
+                       body: dict[str, Any], send: Send, headers: dict[str, str], *, observe: bool,
+                       extra: list[tuple[bytes, bytes]] | None) -> None:
+        strip = False
+        if req.stream and not req.client_wants_usage():
+            body = dict(body)
+            opts = dict(body.get("stream_options") or {})
+            opts["include_usage"] = True
+            body["stream_options"] = opts
+            strip = True
+        resp = await self._open(target, req.path, body, headers, "worker")
+        worker_headers = [(b"x-tokenspeed-worker", target.stream.encode()), *(extra or [])]
+        done = False
+        try:
+            if resp.status != 200 or not req.stream:
+                try:
+                    content = await resp.read()
+                except _TRANSPORT as err:
+                    raise _before_first_byte(target, err, "worker") from err
+                done = True
+                if resp.status == 200 and observe:
+                    self._learn_json(target.stream, plan, tokens, content)
+                self.stats.count(target.stream, "ok" if resp.status == 200 else f"http_{resp.status}")
+                await _reply(send, resp.status, content, _content_type(resp), worker_headers)
+                return
+            done = await self._relay(resp, target, plan, tokens, send, worker_headers, strip=strip,
+                                     observe=observe)
+        finally:
+            # a fully read answer returns its connection to the pool; anything else closes it
+            # (a cancelled request: the engine sees the connection go and aborts)
+            if done:
+                resp.release()
+            else:
+                resp.close()
+
+    async def _open(self, target: Target, path: str, body: dict[str, Any], headers: dict[str, str],
+                    what: str) -> aiohttp.ClientResponse:
+        """POST ``body`` to ``target`` and wait for the answer's head."""
+        try:
+            return await self._up.client().post(
+                target.url + path, data=_encoder.encode(body),
+                headers={"content-type": "application/json", **headers, **target.headers()})
+        except _TRANSPORT as err:
+            raise _before_first_byte(target, err, what) from err
+
+    async def _relay(self, resp: aiohttp.ClientResponse, target: Target, plan: _Plan, tokens: list[int],
+                     send: Send, worker_headers: list[tuple[bytes, bytes]], *, strip: bool,
+                     observe: bool) -> bool:
+        """Relay an SSE answer; True when the engine's stream was read to its end."""
+        relay = SseRelay(strip_usage=strip)
+        started = False
+        try:
+            async for chunk in resp.content.iter_any():
+                out = relay.feed(chunk)
+                if not out:
+                    continue
+                if not started:
+                    started = True
+                    await send({"type": "http.response.start", "status": 200, "headers": [
+                        (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                        *worker_headers]})
+                    if observe:
+                        self._prefill_done(plan.request_id)
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+        except _TRANSPORT as err:
+            if not started:
+                raise _before_first_byte(target, err, "worker") from err
+            self.stats.count(target.stream, "stream_error")
+            reason = "timed out" if is_timeout(err) else f"{type(err).__name__}: {err}"
+            logger.warning("stream from worker %s broke after %d event(s): %s", target.worker, relay.events, reason)
+            await send({"type": "http.response.body",
+                        "body": sse_error_event(f"worker {target.worker!r} failed mid-stream: {reason}",
+                                                code="upstream_error"), "more_body": False})
+            return False
+        rest = relay.flush()
+        if not started:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *worker_headers]})
+        await send({"type": "http.response.body", "body": rest, "more_body": False})
+        self.stats.count(target.stream, "ok")
+        if observe:
+            self._learn(target.stream, plan, tokens, relay.usage)
+        return True
+
+    # --- truth loop -------------------------------------------------------------------
+
+    def _learn_json(self, stream: str, plan: _Plan, tokens: list[int], content: bytes) -> None:
+        if b'"usage"' not in content:
+            return
+        try:
+            answer = _decoder.decode(content)
+        except msgspec.DecodeError:
+            return
+        if isinstance(answer, dict):
+            self._learn(stream, plan, tokens, answer.get("usage"))
+
+    def _learn(self, stream: str, plan: _Plan, tokens: list[int], usage: Any) -> None:
+        """Compare the engine's reported reuse with the index's prediction for ``stream``."""
+        if not tokens or not isinstance(usage, dict):
+            return
+        details = usage.get("prompt_tokens_details")
+        reported = details.get("cached_tokens") if isinstance(details, dict) else None
+        if type(reported) is not int:
+            self._truth.observe_unreported(stream)
+            return
+        # a lock-free read of one worker's state (benign race: at worst one sample more or less)
+        if self._service.ingestor.is_cold(stream):
+            return  # its index entries are known to be incomplete (stale, resyncing): no evidence
+        prompt_tokens = usage.get("prompt_tokens")
+        n = prompt_tokens if type(prompt_tokens) is int and prompt_tokens > 0 else len(tokens)
+        bs = plan.block_size
+        after = 0
+        if bs <= 0:
+            # the worker has published nothing we hold: judge in the block size its peers use
+            view = self._service.match(tokens)
+            bs = max(view["block_size"].values(), default=16) or 16
+            after = int(view["scores"].get(stream, 0)) * int(view["block_size"].get(stream) or bs)
+        predicted = cap_prediction(plan.predicted, n, bs)
+        sample = TruthSample(predicted, reported, bs)
+        if sample.too_high() and after == 0:
+            view = self._service.match(tokens)  # did events explain it meanwhile (a sibling's blocks)?
+            after = int(view["scores"].get(stream, 0)) * int(view["block_size"].get(stream) or bs)
+        if after:
+            sample = TruthSample(predicted, reported, bs, cap_prediction(after, n, bs))
+        self._truth.observe(stream, sample)
+
+
+def _content_type(resp: aiohttp.ClientResponse) -> bytes:
+    return resp.headers.get("Content-Type", "application/json").encode("latin-1")
+
+
+async def _reply(send: Send, status: int, body: bytes, content_type: bytes,
+                 headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", content_type), (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
