@@ -95,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the in-process simulation demo (virtual clock, no HTTP) instead")
     parser.add_argument("--fast-only", action="store_true", help="with --sim: skip the live cluster")
     parser.add_argument("--seed", type=int, default=0, help="with --sim: simulator seed")
+    parser.add_argument("--workers", type=int, default=4, help="with --sim: simulated workers (default 4)")
 
 
 class DemoSetup:
@@ -188,7 +189,7 @@ def _run_sim(args: argparse.Namespace) -> int:
     sim_demo.add_arguments(sim_parser)
     sim_args = sim_parser.parse_args([])
     sim_args.out, sim_args.requests, sim_args.fast_only = args.out, args.requests, args.fast_only
-    sim_args.seed, sim_args.rate_scale = args.seed, args.rate_scale
+    sim_args.seed, sim_args.rate_scale, sim_args.workers = args.seed, args.rate_scale, args.workers
     if args.time_scale is not None:
         sim_args.time_scale = args.time_scale
     return int(sim_demo.run(sim_args) or 0)
