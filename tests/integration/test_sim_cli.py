@@ -77,7 +77,7 @@ def test_unknown_log_level_is_a_usage_error() -> None:
 
 def test_demo_writes_to_a_fresh_temp_dir_and_skips_plots(tmp_path: Path, no_plot_env: dict[str, str]) -> None:
     env = {**no_plot_env, "TMPDIR": str(tmp_path)}
-    proc = cli("demo", "--fast-only", "--requests", "25", "--workers", "2", env=env)
+    proc = cli("demo", "--sim", "--fast-only", "--requests", "25", "--workers", "2", env=env)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr and "plots skipped" in proc.stderr
     folders = list(tmp_path.glob("tokenspeed-router-demo-*"))

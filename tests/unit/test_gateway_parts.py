@@ -186,6 +186,24 @@ def test_causes_predicted_high_reported_zero_and_block_size() -> None:
     assert status["misaligned"] and status["cause"].startswith("block size") and "16" in status["cause"]
 
 
+def test_coarser_engine_block_is_told_from_coarse_sharing() -> None:
+    flags = _Flags()
+    truth = TruthLoop(16, flags)
+    # events in 16-token blocks, engine caches in 64s: it reports the prediction rounded down to 64
+    for predicted in (80, 144, 208, 272, 80, 144, 208, 272):
+        truth.observe("coarse", TruthSample(predicted, predicted // 64 * 64, 16))
+    status = truth.status("coarse")
+    assert status["misaligned"] and status["cause"].startswith("block size") and "64" in status["cause"]
+    # Same block size, prefixes shared in 64-token units (a trace replay) under memory
+    # pressure: every report is a multiple of 64, predictions differ by evictions, not by
+    # rounding. Not a block-size mismatch (and too few disagree to flag at all).
+    for predicted, reported in [(2496, 2432), (1280, 1280), (1000, 640), (640, 640), (2000, 1408),
+                                (1536, 1536), (1100, 512), (704, 704)]:
+        truth.observe("pressure", TruthSample(predicted, reported, 16))
+    assert truth.status("pressure")["misaligned"] is False
+    assert ("pressure", True) not in flags.changes
+
+
 def test_unreported_usage_counts_but_never_flags() -> None:
     truth = TruthLoop(8, _Flags())
     for _ in range(20):

@@ -101,3 +101,20 @@ def test_demo_slice_ships_as_package_data() -> None:
     assert len(reqs) == 399
     assert reqs[-1].arrival_s < 130.0  # 1022 s of trace, 8x faster
     assert trace_summary(reqs)["ideal_hit_ratio"] > 0.7
+
+
+def test_sample_prefix_groups_reproduces_the_shipped_slice(traces) -> None:
+    from tokenspeed_router.sim.cli_demo import demo_requests
+    from tokenspeed_router.sim.traces import sample_prefix_groups
+
+    full = load_mooncake(traces / "mooncake" / "synthetic_trace.jsonl")
+    picked = sample_prefix_groups(full, prefix_blocks=1, groups=60, seed=1)
+    shipped = demo_requests(rate_scale=1.0)
+    assert [(r.input_length, r.hash_ids) for r in picked] == [(r.input_length, r.hash_ids) for r in shipped]
+    fast = sample_prefix_groups(full, prefix_blocks=1, groups=60, seed=1, speedup=10.0)
+    assert fast[0].arrival_s == 0.0
+    assert fast[-1].arrival_s == pytest.approx(picked[-1].arrival_s / 10.0)
+    other = sample_prefix_groups(full, prefix_blocks=1, groups=60, seed=2)
+    assert {r.hash_ids[0] for r in other} != {r.hash_ids[0] for r in picked}
+    with pytest.raises(ConfigError, match="prefix groups"):
+        sample_prefix_groups(full[:10], prefix_blocks=1, groups=60, seed=1)

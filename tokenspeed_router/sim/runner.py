@@ -35,17 +35,25 @@ class Interrupted(KeyboardInterrupt):
 
 
 class ProgressBar:
-    """A one-line progress bar on a text stream (stderr), throttled.
+    """A one-line progress bar on a text stream (stderr), throttled; plain
+    periodic lines when the stream is not a terminal.
 
     ``clock`` is injected so that it can be driven in tests; drawing happens
     at most every ``every_s`` seconds and once at the end.
     """
 
     def __init__(self, stream: TextIO | None = None, *, width: int = 30, every_s: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tty: bool | None = None,
+                 log_every_s: float = 5.0) -> None:
         self._stream = stream if stream is not None else sys.stderr
+        if tty is None:
+            isatty = getattr(self._stream, "isatty", None)
+            tty = bool(isatty()) if callable(isatty) else False
+        #: On a terminal the bar redraws in place; in a log file (CI, ``| tee``)
+        #: a full line every ``log_every_s`` instead of thousands of ``\r`` frames.
+        self._tty = tty
         self._width = width
-        self._every_s = every_s
+        self._every_s = every_s if tty else log_every_s
         self._clock = clock
         self._label = ""
         self._start = clock()
@@ -56,7 +64,7 @@ class ProgressBar:
         self._start = self._clock()
         self._last = -1e9
 
-    def __call__(self, done: int, total: int) -> None:
+    def __call__(self, done: int, total: int, note: str = "") -> None:
         now = self._clock()
         if done < total and now - self._last < self._every_s:
             return
@@ -64,11 +72,13 @@ class ProgressBar:
         frac = done / total if total else 1.0
         fill = int(frac * self._width)
         bar = "#" * fill + "-" * (self._width - fill)
-        self._stream.write(
-            f"\r{self._label:<14}[{bar}] {frac:6.1%} {done}/{total} {now - self._start:6.1f}s"
-        )
-        if done >= total:
-            self._stream.write("\n")
+        line = f"{self._label:<14}[{bar}] {frac:6.1%} {done}/{total} {now - self._start:6.1f}s"
+        if note:
+            line += f" {note}"
+        if self._tty:
+            self._stream.write("\r" + line + ("\n" if done >= total else ""))
+        else:
+            self._stream.write(line + "\n")
         self._stream.flush()
 
 
