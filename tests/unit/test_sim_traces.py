@@ -103,18 +103,27 @@ def test_demo_slice_ships_as_package_data() -> None:
     assert trace_summary(reqs)["ideal_hit_ratio"] > 0.7
 
 
-def test_sample_prefix_groups_reproduces_the_shipped_slice(traces) -> None:
+def test_sample_prefix_groups_keeps_whole_groups_deterministically() -> None:
+    """The demo's shipped slice is 60 whole prefix groups of the synthetic trace
+    (`sample_prefix_groups(full, prefix_blocks=1, groups=60, seed=1)` on the whole
+    file, which the repository does not ship): sampling all its groups gives it
+    back, and fewer groups are whole, seeded and time-scaled."""
     from tokenspeed_router.sim.cli_demo import demo_requests
     from tokenspeed_router.sim.traces import sample_prefix_groups
 
-    full = load_mooncake(traces / "mooncake" / "synthetic_trace.jsonl")
-    picked = sample_prefix_groups(full, prefix_blocks=1, groups=60, seed=1)
     shipped = demo_requests(rate_scale=1.0)
-    assert [(r.input_length, r.hash_ids) for r in picked] == [(r.input_length, r.hash_ids) for r in shipped]
-    fast = sample_prefix_groups(full, prefix_blocks=1, groups=60, seed=1, speedup=10.0)
+    again = sample_prefix_groups(shipped, prefix_blocks=1, groups=60, seed=1)
+    assert [(r.input_length, r.hash_ids) for r in again] == [(r.input_length, r.hash_ids) for r in shipped]
+    picked = sample_prefix_groups(shipped, prefix_blocks=1, groups=20, seed=1)
+    assert picked == sample_prefix_groups(shipped, prefix_blocks=1, groups=20, seed=1)
+    roots = {r.hash_ids[0] for r in picked}
+    assert len(roots) == 20
+    # whole groups: every request of the slice under a picked root is kept
+    assert len(picked) == sum(1 for r in shipped if r.hash_ids[0] in roots)
+    fast = sample_prefix_groups(shipped, prefix_blocks=1, groups=20, seed=1, speedup=10.0)
     assert fast[0].arrival_s == 0.0
     assert fast[-1].arrival_s == pytest.approx(picked[-1].arrival_s / 10.0)
-    other = sample_prefix_groups(full, prefix_blocks=1, groups=60, seed=2)
-    assert {r.hash_ids[0] for r in other} != {r.hash_ids[0] for r in picked}
+    other = sample_prefix_groups(shipped, prefix_blocks=1, groups=20, seed=2)
+    assert {r.hash_ids[0] for r in other} != roots
     with pytest.raises(ConfigError, match="prefix groups"):
-        sample_prefix_groups(full[:10], prefix_blocks=1, groups=60, seed=1)
+        sample_prefix_groups(shipped[:10], prefix_blocks=1, groups=60, seed=1)
