@@ -37,7 +37,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -47,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tokenspeed_router.loadgen.fleet import stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 256
@@ -98,13 +99,7 @@ class Proc:
         return self.log.read_text(errors="replace")[-2000:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 20)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._log.close()

@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 
 import httpx
 
+from tokenspeed_router.loadgen.fleet import stop_process
+
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 
@@ -143,14 +145,7 @@ class Serve:
         """SIGTERM and wait; the exit code (None if it was never started)."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout_s)
 
     def close(self) -> None:
         self.stop()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import selectors
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from typing import Any
 
 import httpx
 from support import REPO_ROOT
+
+from tokenspeed_router.loadgen.fleet import stop_process
 
 
 @dataclass
@@ -112,19 +113,13 @@ class EngineSim:
 
     def stop(self, timeout_s: float = 20.0) -> int:
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_process(self.proc, timeout_s)
         if hasattr(self, "http"):
             self.http.close()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._stderr.close()
-        return int(self.proc.returncode)
+        return code
 
     def __enter__(self) -> EngineSim:
         return self

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from tokenspeed_router.events.schema import (
     KVEventBatch,
 )
 from tokenspeed_router.hashing import block_hashes
+from tokenspeed_router.loadgen.fleet import stop_process
 
 BLOCK = 16
 
@@ -149,17 +149,11 @@ class ServeProcess:
     def stop(self, timeout_s: float = 20.0) -> int:
         """SIGTERM and wait: returns the exit code (0 = clean shutdown)."""
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_process(self.proc, timeout_s)
         if hasattr(self, "http"):
             self.http.close()
         self._stderr.close()
-        return int(self.proc.returncode)
+        return code
 
     def __enter__(self) -> ServeProcess:
         return self

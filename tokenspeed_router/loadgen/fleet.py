@@ -44,6 +44,7 @@ __all__ = [
     "ManagedProcess",
     "clock_scaled_router_flags",
     "free_loopback_port",
+    "stop_process",
 ]
 
 logger = logging.getLogger(__name__)
@@ -145,16 +146,26 @@ class ManagedProcess:
             self.proc.terminate()
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=grace_s)
+        stop_process(self.proc, grace_s)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._log.close()
+
+
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = 20.0) -> int:
+    """SIGTERM, wait up to ``grace_s`` for a clean exit, else SIGKILL; the exit code.
+
+    The one way this project stops a child it started (engines, routers, relays):
+    the demo's fleet, the benchmarks' and the tests' process helpers call it.
+    """
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return int(proc.returncode)
 
 
 @dataclass(frozen=True, kw_only=True)
