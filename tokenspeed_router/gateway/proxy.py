@@ -32,6 +32,7 @@ import msgspec
 
 from tokenspeed_router.errors import RouterApiError
 from tokenspeed_router.gateway.config import GatewayConfig
+from tokenspeed_router.gateway.http1 import ConnectFailed, Http1Response, UpstreamError
 from tokenspeed_router.gateway.openai import OpenAIError, ParsedRequest
 from tokenspeed_router.gateway.sse import SseRelay, sse_error_event
 from tokenspeed_router.gateway.tokenize import PromptTokenizer, TokenizeError
@@ -57,7 +58,7 @@ class _UsageOnly(msgspec.Struct):
 
 _usage_decoder = msgspec.json.Decoder(_UsageOnly)
 #: what a failing engine connection can raise
-_TRANSPORT = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+_TRANSPORT = (UpstreamError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 class _Unreachable(Exception):
@@ -68,7 +69,7 @@ class _Unreachable(Exception):
         self.target = target
         #: no connection could be made (refused, unroutable, connect timeout); otherwise an
         #: established connection was closed or reset before the answer started
-        self.refused = isinstance(err, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+        self.refused = isinstance(err, (ConnectFailed, aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
 
 
 def _before_first_byte(target: Target, err: BaseException, what: str) -> Exception:
@@ -300,23 +301,23 @@ class Proxy:
                 resp.close()
 
     async def _open(self, target: Target, path: str, data: bytes, headers: dict[str, str],
-                    what: str) -> aiohttp.ClientResponse:
+                    what: str) -> Http1Response:
         """POST the JSON ``data`` to ``target`` and wait for the answer's head."""
+        if target.dp_rank is not None:
+            headers = {**headers, **target.headers()}
         try:
-            return await self._up.client().post(
-                target.url + path, data=data,
-                headers={"content-type": "application/json", **headers, **target.headers()})
+            return await self._up.pool().post(target.url, path, data, headers)
         except _TRANSPORT as err:
             raise _before_first_byte(target, err, what) from err
 
-    async def _relay(self, resp: aiohttp.ClientResponse, target: Target, plan: _Plan, tokens: list[int],
+    async def _relay(self, resp: Http1Response, target: Target, plan: _Plan, tokens: list[int],
                      send: Send, worker_headers: list[tuple[bytes, bytes]], *, strip: bool,
                      observe: bool) -> bool:
         """Relay an SSE answer; True when the engine's stream was read to its end."""
         relay = SseRelay(strip_usage=strip)
         started = False
         try:
-            async for chunk in resp.content.iter_any():
+            while (chunk := await resp.next_chunk()) is not None:
                 out = relay.feed(chunk)
                 if not out:
                     continue
@@ -408,8 +409,8 @@ def _with_usage(raw: bytes, body: dict[str, Any]) -> bytes | None:
     return _WITH_USAGE + text[1:]
 
 
-def _content_type(resp: aiohttp.ClientResponse) -> bytes:
-    return resp.headers.get("Content-Type", "application/json").encode("latin-1")
+def _content_type(resp: Http1Response) -> bytes:
+    return resp.header(b"content-type") or _JSON
 
 
 async def _reply(send: Send, status: int, body: bytes, content_type: bytes,

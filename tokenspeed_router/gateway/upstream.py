@@ -29,6 +29,12 @@ from typing import Any
 import aiohttp
 
 from tokenspeed_router.gateway.config import GatewayConfig
+from tokenspeed_router.gateway.http1 import (
+    ConnectFailed,
+    ConnectionDropped,
+    Http1Pool,
+    ReadTimeout,
+)
 
 __all__ = ["Target", "Upstreams", "is_timeout", "is_unreachable"]
 
@@ -42,15 +48,17 @@ KEEPALIVE_S = 4.0
 
 def is_unreachable(err: BaseException) -> bool:
     """The engine did not take the request: refused, reset, closed, or no connection in time."""
-    if isinstance(err, aiohttp.ConnectionTimeoutError):
+    if isinstance(err, (ConnectFailed, ConnectionDropped, aiohttp.ConnectionTimeoutError)):
         return True
+    if isinstance(err, ReadTimeout):
+        return False
     if isinstance(err, aiohttp.ServerTimeoutError):
         return False  # connected, then too slow: busy, not gone
     return isinstance(err, (aiohttp.ClientConnectionError, ConnectionError))
 
 
 def is_timeout(err: BaseException) -> bool:
-    return isinstance(err, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)) and not isinstance(
+    return isinstance(err, (ReadTimeout, aiohttp.ServerTimeoutError, asyncio.TimeoutError)) and not isinstance(
         err, aiohttp.ConnectionTimeoutError)
 
 
@@ -74,6 +82,7 @@ class Upstreams:
         self._service = service
         self._config = config
         self._client: aiohttp.ClientSession | None = None
+        self._pool: Http1Pool | None = None
         self._down: dict[str, float] = {}  # worker -> monotonic time it went down
         self._probes: dict[str, asyncio.Task[None]] = {}
         self.down_events = 0
@@ -94,6 +103,15 @@ class Upstreams:
             )
         return self._client
 
+    def pool(self) -> Http1Pool:
+        """The proxy legs' lean keep-alive client (``http1.py``), made on first use."""
+        if self._pool is None:
+            c = self._config
+            self._pool = Http1Pool(max_connections=c.upstream_max_connections,
+                                   connect_timeout_s=c.upstream_connect_timeout_s,
+                                   read_timeout_s=c.upstream_timeout_s, keepalive_s=KEEPALIVE_S)
+        return self._pool
+
     async def aclose(self) -> None:
         for task in self._probes.values():
             task.cancel()
@@ -103,6 +121,9 @@ class Upstreams:
             except (asyncio.CancelledError, Exception):
                 pass
         self._probes.clear()
+        if self._pool is not None:
+            await self._pool.aclose()
+            self._pool = None
         if self._client is not None:
             await self._client.close()
             self._client = None

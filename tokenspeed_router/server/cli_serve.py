@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None) -> int:
+    from tokenspeed_router.server import gc_policy
     from tokenspeed_router.server.app import RouterService
     from tokenspeed_router.server.http import HttpServer
     from tokenspeed_router.server.zmq_api import ZmqApiServer
@@ -202,6 +203,9 @@ def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None) -> i
             service.start()
             if zmq_api is not None:
                 zmq_api.start()
+            # everything made so far lives as long as the process: out of every collection
+            gc_policy.configure()
+            gc_policy.settle()
             if http is not None:
                 http.run()
             else:

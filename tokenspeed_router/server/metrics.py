@@ -30,6 +30,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from tokenspeed_router.server.gc_policy import GcCollector
+
 __all__ = [
     "CONTENT_TYPE",
     "LatencyHistogram",
@@ -264,6 +266,7 @@ class ServiceMetrics:
         )
         self.workers = Gauge("tokenspeed_workers", "configured subscriber streams", registry=r)
         r.register(QueryCollector(self._snapshot))
+        r.register(GcCollector())  # the process's collector pauses (server/gc_policy.py)
 
     def _snapshot(self) -> QueryStats:
         with self._lock:
