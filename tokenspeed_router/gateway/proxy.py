@@ -195,7 +195,7 @@ class Proxy:
                     if plan.remote_prefill:
                         await self._disaggregated(req, tokens, plan, send, headers)
                     else:
-                        await self._one_leg(req, tokens, plan, plan.site, req.body, send, headers,
+                        await self._one_leg(req, tokens, plan, plan.site, None, send, headers,
                                             observe=True, extra=None)
                     return
                 except _Unreachable as err:
@@ -261,13 +261,15 @@ class Proxy:
                             extra=[(b"x-tokenspeed-prefill-worker", site.stream.encode())])
 
     async def _one_leg(self, req: ParsedRequest, tokens: list[int], plan: _Plan, target: Target,
-                       body: dict[str, Any], send: Send, headers: dict[str, str], *, observe: bool,
+                       body: dict[str, Any] | None, send: Send, headers: dict[str, str], *, observe: bool,
                        extra: list[tuple[bytes, bytes]] | None) -> None:
         strip = req.stream and not req.client_wants_usage()
         data: bytes | None = None
-        if body is req.body and req.raw is not None:
+        if body is None and req.raw is not None:
             # the client's own bytes: no re-encoding (the common case costs one decode, no encode)
-            data = _with_usage(req.raw, body) if strip else req.raw
+            data = _with_usage(req.raw, req) if strip else req.raw
+        if body is None:
+            body = req.body
         if data is None:
             if strip:
                 body = dict(body)
@@ -394,14 +396,14 @@ class Proxy:
 _WITH_USAGE = b'{"stream_options":{"include_usage":true},'
 
 
-def _with_usage(raw: bytes, body: dict[str, Any]) -> bytes | None:
+def _with_usage(raw: bytes, req: ParsedRequest) -> bytes | None:
     """``raw`` with ``stream_options.include_usage`` added by a byte patch, or None to re-encode.
 
     Patchable when the client sent no ``stream_options`` at all (else its
     object must be merged): the key goes first, ahead of the body's own. The
     body is a non-empty object here (``prompt`` or ``messages`` is required).
     """
-    if "stream_options" in body:
+    if req.has_stream_options:
         return None
     text = raw.lstrip()
     if not text.startswith(b"{"):

@@ -143,7 +143,7 @@ class GcCollector(Collector):
                                     "longest collector pause since start", labels=["generation"])
         for gen in range(3):
             cumulative, running = [], 0
-            for bound, n in zip((*_BUCKETS, float("inf")), p.buckets[gen]):
+            for bound, n in zip((*_BUCKETS, float("inf")), p.buckets[gen], strict=True):
                 running += n
                 cumulative.append((str(bound) if bound != float("inf") else "+Inf", float(running)))
             hist.add_metric([str(gen)], cumulative, p.seconds[gen])
