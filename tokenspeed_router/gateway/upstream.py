@@ -1,14 +1,18 @@
-"""Where the engines are, one pooled HTTP client to reach them, and which are down.
+"""Where the engines are, the pooled HTTP clients that reach them, and which are down.
 
-One ``aiohttp.ClientSession`` per process (made on first use, in the serving
-event loop), with keep-alive pooling bounded by ``upstream_max_connections``.
+Two clients, each made on first use in the serving event loop:
+
+* the proxy legs (``/v1/completions``, ``/v1/chat/completions``, both P/D
+  legs) go through :class:`~tokenspeed_router.gateway.http1.Http1Pool`, a
+  lean keep-alive HTTP/1.1 client bounded by ``upstream_max_connections``:
+  measured against aiohttp, httpx and others in one run
+  (``benchmarks/bench_http_stack.py``, docs/gateway.md), it costs half of
+  aiohttp's CPU per streamed request and a twentieth of httpx's;
+* the side calls (``/v1/models``, ``/tokenize``, health probes) use one
+  ``aiohttp.ClientSession``: rare, and aiohttp's generality is welcome there.
+
 Timeouts: ``upstream_connect_timeout_s`` to connect, ``upstream_timeout_s``
 for every read (see :class:`~tokenspeed_router.gateway.config.GatewayConfig`).
-
-Why aiohttp and not httpx: measured here against one engine-sim, 32 requests
-in flight, httpx cost 2.5 ms of client CPU per request (its pool checks every
-pooled connection's socket on every request) and aiohttp 0.22 ms; the
-gateway's overhead budget is 1 ms.
 
 A worker whose engine refuses or drops the connection before answering is
 *down*: :meth:`Upstreams.mark_down` takes every stream of it out of routing
