@@ -52,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 BLOCK = 16
 CHAIN_BLOCKS = 32
 PREFIX_BLOCKS = 4  # each worker's shared system prefix
+CATCH_UP_S = 30.0  # longest wait for the router to apply a phase's backlog (else: reported unbounded)
 POOL = 256  # chains per worker in the churn cycle
 
 
@@ -245,7 +246,8 @@ def _run_zmq(endpoint: str, prompts: list[list[int]], window: int, duration_s: f
             "p99_ms": _pct(lat, 0.99) * 1e3, "errors": errors, "window": window, "target_rate": rate}
 
 
-def _run_visibility(endpoint: str, probes: int, worker: str, base: int = 0) -> dict[str, Any]:
+def _run_visibility(endpoint: str, probes: int, worker: str, base: int = 0,
+                    deadline_s: float = 120.0) -> dict[str, Any]:
     """Poll ``match`` for probe k until visible; print (k, wall time) pairs."""
     import zmq
 
@@ -257,9 +259,11 @@ def _run_visibility(endpoint: str, probes: int, worker: str, base: int = 0) -> d
     dec = msgspec.msgpack.Decoder()
     seen: dict[int, float] = {}
     pause = threading.Event()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + deadline_s
     for k in range(probes):
         q = enc.encode({"op": "match", "id": k, "token_ids": _tokens(10_000_000 + base + k, BLOCK)})
+        if time.monotonic() > deadline:
+            break
         while time.monotonic() < deadline:
             sock.send(q)
             if not sock.poll(2000):
@@ -299,7 +303,8 @@ def loadgen_main(args: argparse.Namespace) -> int:
     elif spec["mode"] == "zmq":
         out = _run_zmq(spec["endpoint"], prompts, spec["window"], spec["duration_s"], spec["rate"])
     else:
-        out = _run_visibility(spec["endpoint"], spec["probes"], spec["worker"], spec.get("probe_base", 0))
+        out = _run_visibility(spec["endpoint"], spec["probes"], spec["worker"], spec.get("probe_base", 0),
+                              spec["duration_s"] + CATCH_UP_S)
     sys.stdout.write(json.dumps(out) + "\n")
     return 0
 
@@ -563,17 +568,35 @@ def _bucket_quantile(before: dict[float, float], after: dict[float, float], q: f
     return float("nan")
 
 
-def _wait_caught_up(http_port: int, streamer: Streamer, poll_s: float = 0.05) -> None:
+def _wait_caught_up(http_port: int, streamer: Streamer, poll_s: float = 0.05, timeout_s: float = 120.0,
+                    *, required: bool = True) -> bool:
+    """Until every worker's last applied seq is the last one published; False at the deadline
+    (or RuntimeError when ``required``)."""
     import httpx
 
     want = {f"w{w}": p.statistics().published - 1 for w, p in enumerate(streamer.pubs)}
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        ws = httpx.get(f"http://127.0.0.1:{http_port}/workers", timeout=5).json()
-        if all(ws[n]["last_seq"] == s for n, s in want.items()):
-            return
-        threading.Event().wait(poll_s)
-    raise RuntimeError("router did not catch up with the preload")
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5) as client:
+        while time.monotonic() < deadline:
+            ws = client.get(f"http://127.0.0.1:{http_port}/workers").json()
+            if all(ws[n]["last_seq"] == s for n, s in want.items()):
+                return True
+            threading.Event().wait(poll_s)
+    if required:
+        raise RuntimeError(f"router did not catch up with the publishers within {timeout_s:g}s")
+    return False
+
+
+def _ingest_counters(http_port: int) -> dict[str, float]:
+    """Summed per-worker ingestion counters from ``GET /workers`` (gaps, resyncs, rejections, lag)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/workers", timeout=10) as resp:
+        ws = json.loads(resp.read())
+    out: dict[str, float] = {k: float(sum(w.get(k) or 0 for w in ws.values()))
+                             for k in ("gaps", "resyncs", "events_rejected", "replayed_batches")}
+    # publisher timestamp -> applied, of each worker's last applied batch: the backlog, in seconds
+    out["max_lag_s"] = max((float(w.get("ingest_delay_s") or 0.0) for w in ws.values()), default=0.0)
+    out["not_live"] = float(sum(1 for w in ws.values() if w.get("state") != "live"))
+    return out
 
 
 def _cpu_s(pid: int) -> float:
@@ -643,18 +666,21 @@ def main() -> int:
         def ingest_phase(rate: float) -> dict[str, Any]:
             """/match at saturation (wrk) and publish->visible probes while streaming at ``rate``."""
             nonlocal probe_base
-            _wait_caught_up(http_port, streamer)  # no backlog from the previous phase
+            _wait_caught_up(http_port, streamer, timeout_s=2 * CATCH_UP_S)  # no backlog from the last phase
             probes = int(duration * 50)
             match = _loadgen({**base, "mode": "http", "rate": 0, "path": "/match"}, env)
             visible = _loadgen({**base, "mode": "visible", "probes": probes, "worker": "w0",
                                 "probe_base": probe_base}, env)
             streamer.probe_times.clear()
             before, t0 = streamer.published_blocks, time.perf_counter()
+            counters0 = _ingest_counters(http_port)
             streamer.run(rate, duration + 0.5, probes, probe_base)
             streamed = (streamer.published_blocks - before) / (time.perf_counter() - t0)
             t_stop = time.perf_counter()
-            _wait_caught_up(http_port, streamer, poll_s=0.005)
-            catch_up = time.perf_counter() - t_stop
+            at_stop = _ingest_counters(http_port)  # the backlog as publishing stops
+            caught_up = _wait_caught_up(http_port, streamer, poll_s=0.005, timeout_s=CATCH_UP_S, required=False)
+            catch_up = time.perf_counter() - t_stop if caught_up else float("inf")
+            after = _ingest_counters(http_port)
             out = _result(match)
             seen = {int(k): v for k, v in _result(visible)["seen"].items()}
             delays = [seen[k] - t for k, t in streamer.probe_times.items() if k in seen]
@@ -663,7 +689,10 @@ def main() -> int:
                     "match_p99_ms": out["p99_ms"], "match_errors": out["errors"],
                     "visible_probes": len(delays), "visible_lost": probes - len(delays),
                     "visible_p50_ms": _pct(delays, 0.5) * 1e3, "visible_p99_ms": _pct(delays, 0.99) * 1e3,
-                    "visible_max_ms": max(delays) * 1e3 if delays else float("nan"), "catch_up_s": catch_up}
+                    "visible_max_ms": max(delays) * 1e3 if delays else float("nan"), "catch_up_s": catch_up,
+                    "lag_at_stop_s": at_stop["max_lag_s"],
+                    **{k: after[k] - counters0[k] for k in ("gaps", "resyncs", "events_rejected", "replayed_batches")},
+                    "workers_not_live": after["not_live"]}
 
         def query_phase(kind: str) -> dict[str, Any]:
             """/route at saturation over ``kind`` (zmq: a DEALER window; http: wrk), no events."""
@@ -721,7 +750,7 @@ def _summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         for row in rnd.get("ingest", []):
             tag = "idle" if row["rate"] == 0 else f"{row['rate']:g}"
             for key in ("match_req_per_s", "match_vs_idle", "visible_p50_ms", "visible_p99_ms", "visible_max_ms",
-                        "catch_up_s", "streamed_blocks_per_s"):
+                        "catch_up_s", "lag_at_stop_s", "gaps", "resyncs", "visible_lost", "streamed_blocks_per_s"):
                 if key in row:
                     figures.setdefault(f"ingest[{tag}].{key}", []).append(row[key])
         for kind in ("zmq", "http"):
