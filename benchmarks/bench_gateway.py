@@ -36,7 +36,9 @@ Figures, per target, each the median of ``--repeats`` rounds with min-max:
 * **longest pause**: the longest interval in which no request completed,
   under saturation (wrk's Lua ``response`` hook reads CLOCK_MONOTONIC through
   LuaJIT's FFI at each completion), and how many such intervals were over
-  10 ms. A full garbage-collector pass of the router shows up here.
+  10 ms. A full garbage-collector pass of the router shows up here; the
+  gateway's own longest full-collection pause is also read from its
+  ``/metrics`` (``tokenspeed_gc_longest_pause_seconds``).
 
 Ratios against vllm-router kv_aware are taken within each round, then the
 median of those. Timing on a shared 2-core machine is noisy: read the ratios.
@@ -324,6 +326,16 @@ end
 """
 
 
+def _gc_longest_pause_ms(port: int) -> float:
+    """The router's own longest full-collection pause (``/metrics``, ours only; NaN elsewhere)."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return float("nan")
+    m = re.search(r'^tokenspeed_gc_longest_pause_seconds\{generation="2"\} ([\d.e+-]+)$', text, re.M)
+    return float(m.group(1)) * 1e3 if m else float("nan")
+
+
 def saturate(port: int, bodies: list[bytes], conns: int, duration_s: float, pid: int) -> dict[str, Any]:
     """wrk at ``conns`` connections: req/s, latency, CPU per request of ``pid``, longest pause."""
     wrk = shutil.which("wrk")
@@ -390,6 +402,8 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             add(f"{name}.cpu_us_per_request_saturation", row.get("cpu_us_per_request", float("nan")))
             add(f"{name}.max_pause_ms", row.get("max_pause_ms", float("nan")))
             add(f"{name}.pauses_over_10ms", float(row.get("pauses_over_10ms", -1)))
+            if "gc_longest_full_pause_ms" in row:
+                add(f"{name}.gc_longest_full_pause_ms", row["gc_longest_full_pause_ms"])
         if "vllm_router" in sat and sat["vllm_router"]["req_per_s"] > 0:
             for name in ("gateway", "gateway_before"):
                 if name not in sat:
@@ -478,6 +492,9 @@ def main() -> int:
                 latency = interleaved(targets, args.rate, duration, args.slices)
                 throughput = {name: saturate(port, bodies, args.conns, duration, pid)
                               for name, (port, bodies, pid) in targets.items() if name != "gateway_text"}
+                for name in ("gateway", "gateway_before"):
+                    if name in throughput:  # the process's own collector, since it started
+                        throughput[name]["gc_longest_full_pause_ms"] = _gc_longest_pause_ms(targets[name][0])
                 rounds.append({"latency": latency, "throughput": throughput})
                 _print_round(r, rounds[-1])
             results["rounds"] = rounds

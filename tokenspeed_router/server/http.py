@@ -379,6 +379,9 @@ class HttpServer:
             http=_http_protocol(),  # httptools (a dependency), one write per answer
             server_header=False,
             date_header=False,
+            # no X-Forwarded-* rewriting of the client address: nothing here reads it, and the
+            # middleware is one more coroutine layer on every request
+            proxy_headers=False,
             timeout_keep_alive=30,
             timeout_graceful_shutdown=5,  # in-flight requests get 5 s at SIGTERM, then we exit
             limit_concurrency=4096,  # beyond this many connections + requests: 503, not memory growth
