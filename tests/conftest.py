@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import zmq
-from support import REPO_ROOT, captures_dir, free_tcp_port, traces_dir, wait_until
+from support import REPO_ROOT, captures_dir, traces_dir, wait_until
+
+from tokenspeed_router.endpoints import free_tcp_port
 
 # Lab models that live with the benchmarks and are also checked by tests
 # (benchmarks/trace_replay.py, benchmarks/bench_index.py's memory counter).

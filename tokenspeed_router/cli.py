@@ -21,7 +21,7 @@ from tokenspeed_router.errors import TokenspeedError
 #: command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tokenspeed_router.loadgen.cli_demo",
-             "engine-sims + gateway + trace load: our routing against the baselines (~1 min)"),
+             "engine-sims + gateway + trace load: our routing against the baselines (~2 min)"),
     "serve": ("tokenspeed_router.server.cli_serve", "run the router: subscribers, index, HTTP/ZMQ API"),
     "record": ("tokenspeed_router.server.cli_record", "subscribe to workers and write an event log"),
     "replay": ("tokenspeed_router.server.cli_replay", "rebuild the index from an event log"),

@@ -18,7 +18,9 @@ from pathlib import Path
 import httpx
 from relay_support import Ctx, Engine, workload
 from server_support import ServeProcess
-from support import REPO_ROOT, free_tcp_port, wait_until
+from support import REPO_ROOT, wait_until
+
+from tokenspeed_router.endpoints import free_tcp_port
 
 
 def _cli(*args: str) -> list[str]:

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from server_support import BLOCK, DropProxy, ServeProcess, batch, removed, stored, tokens
-from support import REPO_ROOT, free_tcp_port, wait_until
+from support import REPO_ROOT, wait_until
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 
 

@@ -19,7 +19,9 @@ import httpx
 import pytest
 import zmq
 from state_harness import Reference, Workers, queries
-from support import REPO_ROOT, free_tcp_port, wait_until
+from support import REPO_ROOT, wait_until
+
+from tokenspeed_router.endpoints import free_tcp_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

@@ -85,7 +85,6 @@ from typing import Final
 import zmq
 
 from tokenspeed_router.errors import WireError
-from tokenspeed_router.events._ratelimit import RateLimitedLog
 from tokenspeed_router.events.codec import BatchDecoder
 from tokenspeed_router.events.curve import CurveClientKeys
 from tokenspeed_router.events.frames import (
@@ -97,6 +96,7 @@ from tokenspeed_router.events.frames import (
 )
 from tokenspeed_router.events.schema import KVEventBatch
 from tokenspeed_router.events.sequencing import SequenceTracker, VerdictKind
+from tokenspeed_router.ratelimit import RateLimitedLog
 
 __all__ = [
     "RESYNC_NO_REPLAY",
