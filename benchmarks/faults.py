@@ -59,7 +59,7 @@ from harness import RedisServer, Serve, data_dir, rss_bytes, wait_for
 from tokenspeed_router.cache import PrefixCache
 from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.events import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
-from tokenspeed_router.events.log import read_kvcap
+from tokenspeed_router.events.kvcap import read_kvcap
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 from tokenspeed_router.hashing import block_hashes
 

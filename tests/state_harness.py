@@ -24,7 +24,8 @@ from tokenspeed_router.events import (
     KVEventBatch,
 )
 from tokenspeed_router.events.publisher import ZmqEventPublisher
-from tokenspeed_router.events.subscriber import EventSubscriber, SubscriberGroup, SubscriberItem
+from tokenspeed_router.events.subscriber import EventSubscriber, SubscriberItem
+from tokenspeed_router.events.subscriber_group import SubscriberGroup
 from tokenspeed_router.router.index import KvIndex
 from tokenspeed_router.router.ingest import IndexIngestor
 from tokenspeed_router.state import LocalIndexHost, RedisStateConfig, RedisStateReplica
