@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
-from support import REPO_ROOT, captures_dir, traces_dir, wait_until
+from support import captures_dir, traces_dir, wait_until
 
 from tokenspeed_router.endpoints import free_tcp_port
-
-# Lab models that live with the benchmarks and are also checked by tests
-# (benchmarks/trace_replay.py, benchmarks/bench_index.py's memory counter).
-sys.path.append(str(REPO_ROOT / "benchmarks"))
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_sim_support import words
-from gateway_support import Gateway, open_with_fixed_ports, sse_events
 from support import wait_until
+from support.engine_sim import words
+from support.gateway import Gateway, open_with_fixed_ports, sse_events
 
 from tokenspeed_router.endpoints import free_tcp_port
 

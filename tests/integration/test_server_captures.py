@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from server_support import CapturePublisher, ServeProcess
 from support import wait_until
+from support.server import CapturePublisher, ServeProcess
 
 from tokenspeed_router.endpoints import free_tcp_port
 

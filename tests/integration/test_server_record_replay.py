@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import msgspec
 import zmq
-from server_support import CapturePublisher, ServeProcess, batch, nonzero, removed, stored, tokens
 from support import REPO_ROOT, wait_until
+from support.server import CapturePublisher, ServeProcess, batch, nonzero, removed, stored, tokens
 
 from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.errors import RouterApiError

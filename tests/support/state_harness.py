@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import zmq
-from support import wait_until
 
+from support import wait_until
 from tokenspeed_router.events import (
     AllBlocksCleared,
     BlockHash,

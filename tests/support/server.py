@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 import zmq
-from support import REPO_ROOT, wait_until
 
+from support import REPO_ROOT, wait_until
 from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.events.kvcap import read_kvcap
 from tokenspeed_router.events.schema import (
