@@ -53,7 +53,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -64,18 +63,13 @@ from typing import Any
 
 import httpx
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.loadgen.fleet import stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_PROMPTS = 64
 PEER_VENV = Path("/work/peers-venv/bin/vllm-router")
 MODEL = "tokenspeed-sim"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -159,7 +153,7 @@ def _wait_http(url: str, proc: Proc, timeout_s: float = 60.0) -> None:
 
 def _serve(workdir: Path, engines: list[dict[str, Any]], src: Path | None = None,
            name: str = "serve") -> tuple[Proc, int]:
-    port = _free_port()
+    port = free_tcp_port()
     argv = [sys.executable, "-m", "tokenspeed_router.cli", "--log-level", "WARNING", "serve",
             "--http", f"127.0.0.1:{port}"]
     for i, e in enumerate(engines):
@@ -180,7 +174,7 @@ def _peer_exe(given: str | None) -> str | None:
 
 
 def _vllm_router(workdir: Path, engines: list[dict[str, Any]], exe: str) -> tuple[Proc, int] | None:
-    port = _free_port()
+    port = free_tcp_port()
     argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[e["url"] for e in engines],
             "--policy", "kv_aware", "--kv-event-block-size", "16", "--kv-event-model", MODEL]
     for e in engines:

@@ -18,14 +18,11 @@ __all__ = [
     "OutOfPagesError",
     "PublishError",
     "QueueFullError",
-    "ReplayUnavailableError",
     "RouterApiError",
-    "SequenceGapError",
     "ServiceNotIngestingError",
     "SnapshotError",
     "StateBackendError",
     "TokenspeedError",
-    "UnknownBlockError",
     "UnknownParentError",
     "UnknownWorkerError",
     "WireError",
@@ -53,20 +50,6 @@ class QueueFullError(PublishError):
     """The publisher queue stayed full past the configured policy's limit."""
 
 
-class SequenceGapError(TokenspeedError):
-    """Sequence numbers skipped: events were lost on the way."""
-
-    def __init__(self, worker: str, expected_seq: int, got_seq: int) -> None:
-        super().__init__(f"worker {worker!r}: expected seq {expected_seq}, got {got_seq}")
-        self.worker = worker
-        self.expected_seq = expected_seq
-        self.got_seq = got_seq
-
-
-class ReplayUnavailableError(TokenspeedError):
-    """The publisher's replay ring no longer holds the batches we need."""
-
-
 class IndexConsistencyError(TokenspeedError):
     """An event does not fit the index's view of a worker; the batch was not applied."""
 
@@ -78,15 +61,6 @@ class UnknownParentError(IndexConsistencyError):
         super().__init__(f"worker {worker!r}: unknown parent block {parent_hash!r}")
         self.worker = worker
         self.parent_hash = parent_hash
-
-
-class UnknownBlockError(IndexConsistencyError):
-    """An operation names a block the index does not hold for that worker."""
-
-    def __init__(self, worker: str, block_hash: object) -> None:
-        super().__init__(f"worker {worker!r}: unknown block {block_hash!r}")
-        self.worker = worker
-        self.block_hash = block_hash
 
 
 class SnapshotError(TokenspeedError):

@@ -23,13 +23,13 @@ import asyncio
 import itertools
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import msgspec
 
+from tokenspeed_router.asgi import Send, send_response
 from tokenspeed_router.errors import RouterApiError
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.gateway.http1 import ConnectFailed, Http1Response, UpstreamError
@@ -42,8 +42,6 @@ from tokenspeed_router.gateway.upstream import Target, Upstreams, is_timeout, is
 __all__ = ["GatewayStats", "Proxy"]
 
 logger = logging.getLogger(__name__)
-
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
@@ -239,7 +237,7 @@ class Proxy:
         resp.release()
         if resp.status != 200:
             self.stats.count(site.stream, f"http_{resp.status}")
-            await _reply(send, resp.status, content, _content_type(resp), [
+            await send_response(send, resp.status, content, _content_type(resp), [
                 (b"x-tokenspeed-worker", site.stream.encode()),
                 (b"x-tokenspeed-prefill-worker", site.stream.encode())])
             return
@@ -290,7 +288,7 @@ class Proxy:
                 if resp.status == 200 and observe:
                     self._learn_json(target.stream, plan, tokens, content)
                 self.stats.count(target.stream, "ok" if resp.status == 200 else f"http_{resp.status}")
-                await _reply(send, resp.status, content, _content_type(resp), worker_headers)
+                await send_response(send, resp.status, content, _content_type(resp), worker_headers)
                 return
             done = await self._relay(resp, target, plan, tokens, send, worker_headers, strip=strip,
                                      observe=observe)
@@ -413,10 +411,3 @@ def _with_usage(raw: bytes, req: ParsedRequest) -> bytes | None:
 
 def _content_type(resp: Http1Response) -> bytes:
     return resp.header(b"content-type") or _JSON
-
-
-async def _reply(send: Send, status: int, body: bytes, content_type: bytes,
-                 headers: list[tuple[bytes, bytes]]) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", content_type), (b"content-length", str(len(body)).encode()), *headers]})
-    await send({"type": "http.response.body", "body": body})

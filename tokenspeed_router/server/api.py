@@ -15,7 +15,6 @@ integer, so the bound rejects garbage without rejecting any real prompt.
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any
@@ -45,7 +44,6 @@ __all__ = [
     "ZmqRequestRaw",
     "api_error",
     "api_errors",
-    "check_bearer",
     "decode_json",
     "validate_request",
 ]
@@ -208,24 +206,3 @@ def validate_request(req: MatchRequest | ZmqMatch | ZmqMatchRaw, limits: ApiLimi
         raise RouterApiError(413, f"token_ids has {n} tokens, limit {limits.max_tokens}")
     if req.salt is not None and len(req.salt) > 4096:
         raise RouterApiError(400, "salt is longer than 4096 characters")
-
-
-def check_bearer(presented: str | None, expected: bytes | None, *, header: bool) -> None:
-    """Constant-time token check; raise 401 unless auth is off or the token matches.
-
-    ``header=True`` requires the ``Bearer `` scheme (HTTP); the ZeroMQ ``auth``
-    field accepts the bare token too.
-    """
-    if expected is None:
-        return
-    if not presented:
-        raise RouterApiError(401, "missing credentials: send 'Authorization: Bearer <token>'")
-    scheme, _, token = presented.partition(" ")
-    if scheme.lower() == "bearer" and token:
-        candidate = token.strip()
-    elif header:
-        raise RouterApiError(401, "unsupported authorization scheme: expected 'Bearer <token>'")
-    else:
-        candidate = presented
-    if not hmac.compare_digest(candidate.encode("utf-8", "surrogateescape"), expected):
-        raise RouterApiError(401, "invalid bearer token")
