@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenspeed_router.endpoints import free_tcp_port
+
 REPO = Path(__file__).resolve().parents[1]
 BODY = json.dumps({"model": "m", "prompt": list(range(1000, 2024)), "max_tokens": 16, "stream": True},
                   separators=(",", ":")).encode()
@@ -211,7 +213,7 @@ def run_proxy(server: str, client_kind: str, upstream: str, port_file: str) -> N
                                 access_log=False, log_level="warning", server_header=False, date_header=False)
         uvloop.run(uvicorn.Server(config).serve(sockets=[sock]))
     elif server.startswith("granian"):
-        port = _free_port()
+        port = free_tcp_port()
         Path(port_file).write_text(str(port))
         os.environ["BENCH_STACK_CLIENT"] = client_kind
         os.environ["BENCH_STACK_UPSTREAM"] = upstream
@@ -301,14 +303,6 @@ def __getattr__(name: str) -> Any:  # granian imports its target by name in the 
 
 
 # --------------------------------------------------------------------------- orchestration
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tree_cpu_s(pid: int) -> float:
