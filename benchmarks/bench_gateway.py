@@ -330,6 +330,26 @@ def _gc_longest_pause_ms(port: int) -> float:
     return float(m.group(1)) * 1e3 if m else float("nan")
 
 
+def _loop_lag_buckets(port: int) -> dict[float, float]:
+    """The gateway's event-loop lag histogram (cumulative counts by upper bound); {} elsewhere."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[float, float] = {}
+    for m in re.finditer(r'^tokenspeed_http_loop_lag_seconds_bucket\{le="([^"]+)"\} ([\d.e+-]+)$', text, re.M):
+        out[float("inf") if m.group(1) == "+Inf" else float(m.group(1))] = float(m.group(2))
+    return out
+
+
+def _lag_over(before: dict[float, float], after: dict[float, float], bound_s: float) -> float:
+    """Loop-lag samples above ``bound_s`` between two scrapes (NaN without the metric)."""
+    if not after or bound_s not in after:
+        return float("nan")
+    total = after[float("inf")] - before.get(float("inf"), 0.0)
+    return total - (after[bound_s] - before.get(bound_s, 0.0))
+
+
 def saturate(port: int, bodies: list[bytes], conns: int, duration_s: float, pid: int) -> dict[str, Any]:
     """wrk at ``conns`` connections: req/s, latency, CPU per request of ``pid``, longest pause."""
     wrk = shutil.which("wrk")
@@ -396,8 +416,9 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             add(f"{name}.cpu_us_per_request_saturation", row.get("cpu_us_per_request", float("nan")))
             add(f"{name}.max_pause_ms", row.get("max_pause_ms", float("nan")))
             add(f"{name}.pauses_over_10ms", float(row.get("pauses_over_10ms", -1)))
-            if "gc_longest_full_pause_ms" in row:
-                add(f"{name}.gc_longest_full_pause_ms", row["gc_longest_full_pause_ms"])
+            for key in ("gc_longest_full_pause_ms", "loop_lag_over_10ms", "loop_lag_over_50ms"):
+                if key in row:
+                    add(f"{name}.{key}", row[key])
         if "vllm_router" in sat and sat["vllm_router"]["req_per_s"] > 0:
             for name in ("gateway", "gateway_before"):
                 if name not in sat:
@@ -484,8 +505,16 @@ def main() -> int:
             rounds = []
             for r in range(repeats):
                 latency = interleaved(targets, args.rate, duration, args.slices)
-                throughput = {name: saturate(port, bodies, args.conns, duration, pid)
-                              for name, (port, bodies, pid) in targets.items() if name != "gateway_text"}
+                throughput = {}
+                for name, (port, bodies, pid) in targets.items():
+                    if name == "gateway_text":
+                        continue
+                    lag0 = _loop_lag_buckets(port) if name.startswith("gateway") else {}
+                    throughput[name] = saturate(port, bodies, args.conns, duration, pid)
+                    if lag0:  # the gateway's own loop: 10 ms samples that ran over 10 ms / 50 ms late
+                        lag1 = _loop_lag_buckets(port)
+                        throughput[name]["loop_lag_over_10ms"] = _lag_over(lag0, lag1, 0.01)
+                        throughput[name]["loop_lag_over_50ms"] = _lag_over(lag0, lag1, 0.05)
                 for name in ("gateway", "gateway_before"):
                     if name in throughput:  # the process's own collector, since it started
                         throughput[name]["gc_longest_full_pause_ms"] = _gc_longest_pause_ms(targets[name][0])

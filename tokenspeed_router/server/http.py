@@ -55,6 +55,7 @@ from tokenspeed_router.server.api import (
 )
 from tokenspeed_router.server.app import RouterService
 from tokenspeed_router.server.config import WorkerSpec
+from tokenspeed_router.server.loop_lag import LoopLag, LoopLagCollector
 from tokenspeed_router.server.metrics import CONTENT_TYPE
 
 __all__ = ["HttpServer", "create_app"]
@@ -315,6 +316,8 @@ class HttpServer:
         self._sock = bind_socket(address)
         self.address = HostPort(address.host, self._sock.getsockname()[1])
         self._app = create_app(service)
+        self.loop_lag = LoopLag()
+        service.metrics.add_collector(LoopLagCollector(self.loop_lag))
         config = uvicorn.Config(
             # the gateway's POST endpoints skip Starlette's middleware (12% less CPU per proxied request)
             self._app.state.gateway.front(self._app),
@@ -348,10 +351,12 @@ class HttpServer:
                 await asyncio.sleep(0.005)
             if self._server.started:
                 logger.info("HTTP API on http://%s", self.address)
+                self.loop_lag.start()
                 self.started.set()
             try:
                 await serving
             finally:
+                self.loop_lag.stop()
                 await self._app.state.gateway.aclose()
 
         try:
