@@ -676,6 +676,7 @@ def main() -> int:
             streamer.probe_times.clear()
             before, t0 = streamer.published_blocks, time.perf_counter()
             counters0 = _ingest_counters(http_port)
+            hist0 = _visible_buckets(http_port)
             streamer.run(rate, duration + 0.5, probes, probe_base)
             streamed = (streamer.published_blocks - before) / (time.perf_counter() - t0)
             t_stop = time.perf_counter()
@@ -683,6 +684,7 @@ def main() -> int:
             caught_up = _wait_caught_up(http_port, streamer, poll_s=0.005, timeout_s=CATCH_UP_S, required=False)
             catch_up = time.perf_counter() - t_stop if caught_up else float("inf")
             after = _ingest_counters(http_port)
+            hist1 = _visible_buckets(http_port)
             out = _result(match)
             seen = {int(k): v for k, v in _result(visible)["seen"].items()}
             delays = [seen[k] - t for k, t in streamer.probe_times.items() if k in seen]
@@ -691,7 +693,11 @@ def main() -> int:
                     "match_p99_ms": out["p99_ms"], "match_errors": out["errors"],
                     "visible_probes": len(delays), "visible_lost": probes - len(delays),
                     "visible_p50_ms": _pct(delays, 0.5) * 1e3, "visible_p99_ms": _pct(delays, 0.99) * 1e3,
-                    "visible_max_ms": max(delays) * 1e3 if delays else float("nan"), "catch_up_s": catch_up,
+                    "visible_max_ms": max(delays) * 1e3 if delays else float("nan"),
+                    # the router's own publisher-timestamp -> applied histogram (bucket upper bounds): the
+                    # probes above also carry the prober's own query latency on a saturated machine
+                    "applied_p50_le_ms": _bucket_quantile(hist0, hist1, 0.5) * 1e3,
+                    "applied_p99_le_ms": _bucket_quantile(hist0, hist1, 0.99) * 1e3, "catch_up_s": catch_up,
                     "lag_at_stop_s": at_stop["max_lag_s"],
                     **{k: after[k] - counters0[k] for k in ("gaps", "resyncs", "events_rejected", "replayed_batches")},
                     "workers_not_live": after["not_live"]}
@@ -752,6 +758,7 @@ def _summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         for row in rnd.get("ingest", []):
             tag = "idle" if row["rate"] == 0 else f"{row['rate']:g}"
             for key in ("match_req_per_s", "match_vs_idle", "visible_p50_ms", "visible_p99_ms", "visible_max_ms",
+                        "applied_p50_le_ms", "applied_p99_le_ms",
                         "catch_up_s", "lag_at_stop_s", "gaps", "resyncs", "visible_lost", "streamed_blocks_per_s"):
                 if key in row:
                     figures.setdefault(f"ingest[{tag}].{key}", []).append(row[key])
