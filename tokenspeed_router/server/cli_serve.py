@@ -184,8 +184,9 @@ def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None) -> i
             if zmq_api is not None:
                 zmq_api.start()
             # everything made so far lives as long as the process: out of every collection
-            gc_policy.configure()
+            # (settled first, so the pause metrics count serving, not this one deliberate pass)
             gc_policy.settle()
+            gc_policy.configure()
             if http is not None:
                 http.run()
             else:
