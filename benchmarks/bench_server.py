@@ -560,6 +560,27 @@ def _visible_buckets(http_port: int) -> dict[float, float]:
     return out
 
 
+def _loop_lag_buckets(http_port: int) -> dict[float, float]:
+    """The router's HTTP event-loop lag histogram (cumulative counts by upper bound)."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=10).text
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("tokenspeed_http_loop_lag_seconds_bucket"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _over(before: dict[float, float], after: dict[float, float], bound: float) -> float:
+    """Fraction of the samples between two scrapes above ``bound``."""
+    if bound not in after:
+        return float("nan")
+    total = after[float("inf")] - before.get(float("inf"), 0.0)
+    return (total - (after[bound] - before.get(bound, 0.0))) / total if total else float("nan")
+
+
 def _bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
     """Upper bound of the bucket holding quantile q of what was observed between two scrapes."""
     diff = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
@@ -677,7 +698,9 @@ def main() -> int:
             before, t0 = streamer.published_blocks, time.perf_counter()
             counters0 = _ingest_counters(http_port)
             hist0 = _visible_buckets(http_port)
+            lag0 = _loop_lag_buckets(http_port)
             streamer.run(rate, duration + 0.5, probes, probe_base)
+            lag1 = _loop_lag_buckets(http_port)
             streamed = (streamer.published_blocks - before) / (time.perf_counter() - t0)
             t_stop = time.perf_counter()
             at_stop = _ingest_counters(http_port)  # the backlog as publishing stops
@@ -698,6 +721,9 @@ def main() -> int:
                     # probes above also carry the prober's own query latency on a saturated machine
                     "applied_p50_le_ms": _bucket_quantile(hist0, hist1, 0.5) * 1e3,
                     "applied_p99_le_ms": _bucket_quantile(hist0, hist1, 0.99) * 1e3, "catch_up_s": catch_up,
+                    # the HTTP loop serving /match while events stream in: does ingest starve it?
+                    "loop_lag_p99_le_ms": _bucket_quantile(lag0, lag1, 0.99) * 1e3,
+                    "loop_lag_over_10ms": _over(lag0, lag1, 0.01), "loop_lag_over_50ms": _over(lag0, lag1, 0.05),
                     "lag_at_stop_s": at_stop["max_lag_s"],
                     **{k: after[k] - counters0[k] for k in ("gaps", "resyncs", "events_rejected", "replayed_batches")},
                     "workers_not_live": after["not_live"]}
@@ -758,7 +784,8 @@ def _summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         for row in rnd.get("ingest", []):
             tag = "idle" if row["rate"] == 0 else f"{row['rate']:g}"
             for key in ("match_req_per_s", "match_vs_idle", "visible_p50_ms", "visible_p99_ms", "visible_max_ms",
-                        "applied_p50_le_ms", "applied_p99_le_ms",
+                        "applied_p50_le_ms", "applied_p99_le_ms", "loop_lag_p99_le_ms", "loop_lag_over_10ms",
+                        "loop_lag_over_50ms",
                         "catch_up_s", "lag_at_stop_s", "gaps", "resyncs", "visible_lost", "streamed_blocks_per_s"):
                 if key in row:
                     figures.setdefault(f"ingest[{tag}].{key}", []).append(row[key])
