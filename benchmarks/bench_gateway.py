@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from wrk_output import histogram_buckets, parse_wrk
 
 from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.loadgen.fleet import stop_process
@@ -336,10 +337,7 @@ def _loop_lag_buckets(port: int) -> dict[float, float]:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     except httpx.HTTPError:
         return {}
-    out: dict[float, float] = {}
-    for m in re.finditer(r'^tokenspeed_http_loop_lag_seconds_bucket\{le="([^"]+)"\} ([\d.e+-]+)$', text, re.M):
-        out[float("inf") if m.group(1) == "+Inf" else float(m.group(1))] = float(m.group(2))
-    return out
+    return histogram_buckets(text, "tokenspeed_http_loop_lag_seconds")
 
 
 def _lag_over(before: dict[float, float], after: dict[float, float], bound_s: float) -> float:
@@ -370,17 +368,11 @@ def saturate(port: int, bodies: list[bytes], conns: int, duration_s: float, pid:
     finally:
         os.unlink(script)
 
-    def ms(label: str) -> float:
-        m = re.search(rf"{label}\s+([\d.]+)(us|ms|s)\b", out)
-        return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)] if m else float("nan")
-
-    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    total = re.search(r"(\d+) requests in", out)
-    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    figures = parse_wrk(out)
     pause = re.search(r"PAUSE max_gap_ms=([\d.]+) gaps_over_10ms=(\d+)", out)
-    requests = int(total.group(1)) if total else 0
-    return {"req_per_s": float(rps.group(1)) if rps else 0.0, "requests": requests,
-            "p50_ms": ms("50%"), "p99_ms": ms("99%"), "errors": int(non2xx.group(1)) if non2xx else 0,
+    requests = figures["requests"]
+    return {"req_per_s": figures["req_per_s"], "requests": requests, "p50_ms": figures["p50_ms"],
+            "p99_ms": figures["p99_ms"], "errors": figures["errors"],
             "cpu_us_per_request": cpu / max(1, requests) * 1e6,
             "max_pause_ms": float(pause.group(1)) if pause else float("nan"),
             "pauses_over_10ms": int(pause.group(2)) if pause else -1, "conns": conns}

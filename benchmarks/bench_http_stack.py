@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -35,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from wrk_output import parse_wrk
 
 from tokenspeed_router.endpoints import free_tcp_port
 
@@ -361,15 +362,9 @@ def _wrk(port: int, conns: int, duration_s: float) -> dict[str, Any]:
     finally:
         os.unlink(script)
 
-    def ms(label: str) -> float:
-        m = re.search(rf"{label}\s+([\d.]+)(us|ms|s)\b", out)
-        return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)] if m else float("nan")
-
-    total = re.search(r"(\d+) requests in", out)
-    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    errs = re.search(r"Socket errors: .*", out)
-    return {"requests": int(total.group(1)) if total else 0, "p50_ms": ms("50%"), "p99_ms": ms("99%"),
-            "errors": int(non2xx.group(1)) if non2xx else 0, "socket_errors": errs.group(0) if errs else ""}
+    figures = parse_wrk(out)
+    figures.pop("req_per_s")  # (timed by the caller over the CPU window)
+    return figures
 
 
 def main() -> int:

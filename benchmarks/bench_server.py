@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from wrk_output import histogram_buckets, parse_wrk
 
 from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.percentiles import percentile
@@ -148,7 +149,6 @@ def _run_http(port: int, prompts: list[list[int]], conns: int, duration_s: float
 def _run_http_wrk(port: int, prompts: list[list[int]], conns: int, duration_s: float,
                   path: str = "/route") -> dict[str, Any]:
     """Saturation with wrk (C, ~10x cheaper per request than a Python client): cycles 64 bodies."""
-    import re
     import shutil
     import tempfile
 
@@ -166,18 +166,7 @@ def _run_http_wrk(port: int, prompts: list[list[int]], conns: int, duration_s: f
                           f"http://127.0.0.1:{port}"], capture_output=True, text=True, check=True).stdout
     os.unlink(script)
 
-    def ms(label: str) -> float:
-        m = re.search(rf"{label}\s+([\d.]+)(us|ms|s)\b", out)
-        if m is None:
-            return float("nan")
-        return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
-
-    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    total = re.search(r"(\d+) requests in", out)
-    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return {"requests": int(total.group(1)) if total else 0, "req_per_s": float(rps.group(1)) if rps else 0.0,
-            "p50_ms": ms("50%"), "p99_ms": ms("99%"), "errors": int(non2xx.group(1)) if non2xx else 0,
-            "conns": conns, "target_rate": 0, "client": "wrk"}
+    return {**parse_wrk(out), "conns": conns, "target_rate": 0, "client": "wrk"}
 
 
 def _run_zmq(endpoint: str, prompts: list[list[int]], window: int, duration_s: float, rate: float) -> dict[str, Any]:
@@ -547,30 +536,21 @@ def _start_router(streamer: Streamer, http_port: int, zmq_ep: str, env: dict[str
     raise RuntimeError("router did not start")
 
 
-def _visible_buckets(http_port: int) -> dict[float, float]:
-    """The router's own publish->applied histogram (cumulative counts by upper bound)."""
+def _histogram(http_port: int, name: str) -> dict[float, float]:
+    """One of the router's histograms (cumulative counts by upper bound) from ``/metrics``."""
     import httpx
 
-    text = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=10).text
-    out: dict[float, float] = {}
-    for line in text.splitlines():
-        if line.startswith("tokenspeed_ingest_visible_delay_seconds_bucket"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            out[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
-    return out
+    return histogram_buckets(httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=10).text, name)
+
+
+def _visible_buckets(http_port: int) -> dict[float, float]:
+    """The router's own publish->applied histogram."""
+    return _histogram(http_port, "tokenspeed_ingest_visible_delay_seconds")
 
 
 def _loop_lag_buckets(http_port: int) -> dict[float, float]:
-    """The router's HTTP event-loop lag histogram (cumulative counts by upper bound)."""
-    import httpx
-
-    text = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=10).text
-    out: dict[float, float] = {}
-    for line in text.splitlines():
-        if line.startswith("tokenspeed_http_loop_lag_seconds_bucket"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            out[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
-    return out
+    """The router's HTTP event-loop lag histogram."""
+    return _histogram(http_port, "tokenspeed_http_loop_lag_seconds")
 
 
 def _over(before: dict[float, float], after: dict[float, float], bound: float) -> float:

@@ -43,6 +43,8 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from tokenspeed_router.server.metrics import LatencyHistogram
+
 __all__ = ["THRESHOLD_YOUNG", "GcCollector", "GcPauses", "configure", "gc_pauses", "settle"]
 
 logger = logging.getLogger(__name__)
@@ -84,15 +86,17 @@ def settle(why: str = "start-up") -> int:
 
 
 class GcPauses:
-    """Collections timed per generation: count, total seconds, longest, histogram."""
+    """Collections timed per generation: a histogram each, and the longest pause."""
 
     def __init__(self) -> None:
         self._started = 0.0
-        self.counts = [0, 0, 0]
-        self.seconds = [0.0, 0.0, 0.0]
+        self.pauses = [LatencyHistogram(_BUCKETS) for _ in range(3)]
         self.longest = [0.0, 0.0, 0.0]
-        #: cumulative-by-bucket counts per generation (last slot: +Inf)
-        self.buckets = [[0] * (len(_BUCKETS) + 1) for _ in range(3)]
+
+    @property
+    def counts(self) -> list[int]:
+        """Collections per generation."""
+        return [h.samples for h in self.pauses]
 
     def callback(self, phase: str, info: dict[str, Any]) -> None:
         # Runs inside the collector, on whichever thread triggered it (under the GIL):
@@ -104,17 +108,9 @@ class GcPauses:
         gen = info.get("generation", 2)
         if not 0 <= gen <= 2:
             return
-        self.counts[gen] += 1
-        self.seconds[gen] += pause
+        self.pauses[gen].observe(pause)
         if pause > self.longest[gen]:
             self.longest[gen] = pause
-        row = self.buckets[gen]
-        for i, bound in enumerate(_BUCKETS):
-            if pause <= bound:
-                row[i] += 1
-                break
-        else:
-            row[-1] += 1
 
 
 _PAUSES = GcPauses()
@@ -142,11 +138,7 @@ class GcCollector(Collector):
         longest = GaugeMetricFamily("tokenspeed_gc_longest_pause_seconds",
                                     "longest collector pause since start", labels=["generation"])
         for gen in range(3):
-            cumulative, running = [], 0
-            for bound, n in zip((*_BUCKETS, float("inf")), p.buckets[gen], strict=True):
-                running += n
-                cumulative.append((str(bound) if bound != float("inf") else "+Inf", float(running)))
-            hist.add_metric([str(gen)], cumulative, p.seconds[gen])
+            hist.add_metric([str(gen)], p.pauses[gen].cumulative(), p.pauses[gen].total)
             longest.add_metric([str(gen)], p.longest[gen])
         yield hist
         yield longest

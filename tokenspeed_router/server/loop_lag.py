@@ -20,8 +20,10 @@ import asyncio
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from tokenspeed_router.server.metrics import LatencyHistogram
 
 __all__ = ["INTERVAL_S", "LoopLag", "LoopLagCollector"]
 
@@ -39,10 +41,12 @@ class LoopLag:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._due = 0.0
-        self.samples = 0
-        self.total_s = 0.0
+        self.histogram = LatencyHistogram(_BUCKETS)
         self.longest_s = 0.0
-        self.buckets = [0] * (len(_BUCKETS) + 1)  # last: above every bound
+
+    @property
+    def samples(self) -> int:
+        return self.histogram.samples
 
     def start(self) -> None:
         """Begin sampling the running loop."""
@@ -65,15 +69,9 @@ class LoopLag:
         self._schedule()
 
     def record(self, lag_s: float) -> None:
-        self.samples += 1
-        self.total_s += lag_s
+        self.histogram.observe(lag_s)
         if lag_s > self.longest_s:
             self.longest_s = lag_s
-        for i, bound in enumerate(_BUCKETS):
-            if lag_s <= bound:
-                self.buckets[i] += 1
-                return
-        self.buckets[-1] += 1
 
 
 class LoopLagCollector(Collector):
@@ -87,13 +85,7 @@ class LoopLagCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         lag = self._lag
-        cumulative: list[tuple[str, float]] = []
-        running = 0
-        for bound, n in zip((*_BUCKETS, float("inf")), lag.buckets, strict=True):
-            running += n
-            cumulative.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
-        yield HistogramMetricFamily("tokenspeed_http_loop_lag_seconds",
-                                    f"how late the HTTP event loop ran a timer due every {INTERVAL_S:g}s",
-                                    buckets=cumulative, sum_value=lag.total_s)
+        yield lag.histogram.family("tokenspeed_http_loop_lag_seconds",
+                                   f"how late the HTTP event loop ran a timer due every {INTERVAL_S:g}s")
         yield GaugeMetricFamily("tokenspeed_http_loop_longest_lag_seconds",
                                 "longest HTTP event-loop stall since start", value=lag.longest_s)
