@@ -41,6 +41,21 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[bytes, dict[bytes
     return line, headers, body
 
 
+def _answering(answer: bytes) -> Handler:
+    """A keep-alive server that writes ``answer`` for every request."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await _read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(answer)
+            await writer.drain()
+
+    return handler
+
+
 def _run(handler: Handler, client: Callable[[Http1Pool, str, list[Any]], Awaitable[None]], *,
          read_timeout_s: float = 10.0, max_connections: int = 8) -> list[Any]:
     seen: list[Any] = []
@@ -201,14 +216,7 @@ def test_garbage_answer_is_a_protocol_error() -> None:
 
 
 def test_unread_answer_closes_its_connection_instead_of_pooling_it() -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                await _read_request(reader)
-            except asyncio.IncompleteReadError:
-                return
-            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")
-            await writer.drain()
+    handler = _answering(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")  # never ends
 
     async def client(pool: Http1Pool, url: str, seen: list[Any]) -> None:
         resp = await pool.post(url, "/x", b"{}")
@@ -223,14 +231,7 @@ def test_unread_answer_closes_its_connection_instead_of_pooling_it() -> None:
 
 
 def test_connection_limit_makes_callers_wait_for_a_release() -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                await _read_request(reader)
-            except asyncio.IncompleteReadError:
-                return
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-            await writer.drain()
+    handler = _answering(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
 
     async def client(pool: Http1Pool, url: str, seen: list[Any]) -> None:
         first = await pool.post(url, "/x", b"{}")
