@@ -635,15 +635,18 @@ def main() -> int:
                         help="tokens per query; the first half is cached on some worker")
     parser.add_argument("--zmq-window", type=int, default=32)
     parser.add_argument("--json", metavar="OUT", help="also write the results here")
-    parser.add_argument("--only", choices=("costs", "ingest", "zmq", "http"), action="append",
-                        help="run only these parts (repeatable; default: all)")
+    parser.add_argument("--blocks-per-s", type=float, default=None,
+                        help="one streaming rate instead of --rates (older spelling)")
+    parser.add_argument("--only", choices=("costs", "ingest", "zmq", "http", "match", "visible"), action="append",
+                        help="run only these parts (repeatable; default: all; match and visible are the "
+                             "ingest phases' two halves and run them)")
     args = parser.parse_args()
     if args.role == "loadgen":
         return loadgen_main(args)
     duration = args.duration or (2.0 if args.quick else 5.0)
     repeats = 1 if args.quick else args.repeats
-    rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    parts = set(args.only or ("costs", "ingest", "zmq", "http"))
+    rates = [args.blocks_per_s] if args.blocks_per_s else [float(r) for r in args.rates.split(",") if r.strip()]
+    parts = {"ingest" if p in ("match", "visible") else p for p in (args.only or ("costs", "ingest", "zmq", "http"))}
     env = dict(os.environ)
     results: dict[str, Any] = {"config": {"workers": args.workers, "rates": rates, "phase_s": duration,
                                           "repeats": repeats, "cpus": os.cpu_count(),
