@@ -271,3 +271,30 @@ def test_a_slow_reader_pauses_the_engine_connection() -> None:
 
     seen = _run(handler, client)
     assert seen[-1] == size and all(x is True for x in seen[1:-1])
+
+
+def test_a_host_name_is_resolved_once_for_the_connections_it_needs() -> None:
+    handler = _answering(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    async def client(pool: Http1Pool, url: str, seen: list[Any]) -> None:
+        named = url.replace("127.0.0.1", "localhost")  # ::1 may come first and be refused: tried in order
+        first = await pool.post(named, "/x", b"{}")
+        resolved = dict(pool._resolved)
+        second = await pool.post(named, "/x", b"{}")  # the first is still open: a second connection
+        seen.append((pool.opened, pool._resolved == resolved and len(resolved) == 1))
+        for resp in (first, second):
+            assert await resp.read() == b"ok"
+            resp.release()
+
+    assert _run(handler, client)[-1] == (2, True)
+
+
+def test_an_unresolvable_host_is_connect_failed() -> None:
+    async def main() -> None:
+        pool = Http1Pool(max_connections=4, connect_timeout_s=2, read_timeout_s=5, keepalive_s=4)
+        with pytest.raises(ConnectFailed):
+            await pool.post("http://no-such-engine.invalid:8000", "/v1/completions", b"{}")
+        assert pool.open_connections == 0
+        await pool.aclose()
+
+    asyncio.run(main())

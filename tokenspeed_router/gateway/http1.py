@@ -23,6 +23,9 @@ What it does, and only that:
   client slows the engine's connection, not the gateway's memory);
 * timeouts: ``connect_timeout_s`` to connect, ``read_timeout_s`` for the head
   and for every gap between two body chunks;
+* an engine's host name resolved once per :data:`RESOLVE_TTL_S` for all the
+  connections it needs (a burst to a cold pool would otherwise queue one
+  ``getaddrinfo`` per connection), every address tried in order;
 * errors as four types the proxy maps to its retry rules
   (:class:`ConnectFailed`: no connection; :class:`ConnectionDropped`:
   closed or reset; :class:`ReadTimeout`; :class:`ProtocolError`: not
@@ -37,15 +40,19 @@ the client went away and aborts the request.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import socket
 import ssl
 from collections import deque
 from collections.abc import Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
 
 __all__ = [
     "HIGH_WATER_BYTES",
+    "RESOLVE_TTL_S",
     "ConnectFailed",
     "ConnectionDropped",
     "Http1Pool",
@@ -58,6 +65,8 @@ __all__ = [
 
 #: unread answer bytes above which the connection stops reading (flow control)
 HIGH_WATER_BYTES = 256 * 1024
+#: how long an engine's resolved addresses are reused (aiohttp's default DNS cache TTL)
+RESOLVE_TTL_S = 10.0
 
 
 class UpstreamError(Exception):
@@ -83,7 +92,7 @@ class ProtocolError(UpstreamError):
 class Origin:
     """Scheme, host and port of an engine URL, with its request-line prefix pre-encoded."""
 
-    __slots__ = ("host", "host_header", "port", "ssl")
+    __slots__ = ("host", "host_header", "numeric", "port", "ssl")
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
@@ -93,6 +102,11 @@ class Origin:
         self.host = parts.hostname
         self.port = parts.port or (443 if self.ssl else 80)
         self.host_header = parts.netloc.rsplit("@", 1)[-1].encode("idna")
+        try:
+            ipaddress.ip_address(self.host)
+            self.numeric = True  # nothing to resolve
+        except ValueError:
+            self.numeric = False
 
 
 class _Conn(asyncio.Protocol):
@@ -298,6 +312,8 @@ class Http1Pool:
         self._open = 0  # connections open or being opened
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._origins: dict[str, Origin] = {}
+        self._resolved: dict[Origin, tuple[float, list[tuple[int, Any]]]] = {}  # -> (valid until, addresses)
+        self._resolving: dict[Origin, asyncio.Future[Any]] = {}
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
         #: connections opened / reused (statistics, tests)
@@ -426,13 +442,53 @@ class Http1Pool:
                 self._ssl = ssl.create_default_context()
             ctx = self._ssl
         try:
-            await asyncio.wait_for(loop.create_connection(lambda: conn, origin.host, origin.port, ssl=ctx),
-                                   self._connect_timeout_s)
+            await asyncio.wait_for(self._open_transport(conn, loop, ctx), self._connect_timeout_s)
         except asyncio.TimeoutError:
             raise ConnectFailed(f"no connection to {origin.host}:{origin.port} within "
                                 f"{self._connect_timeout_s:g}s") from None
         except OSError as err:
             raise ConnectFailed(f"cannot connect to {origin.host}:{origin.port}: {err}") from err
+
+    async def _open_transport(self, conn: _Conn, loop: asyncio.AbstractEventLoop,
+                              ctx: ssl.SSLContext | None) -> None:
+        """Connect to the first address of the engine's that accepts (resolved names cached)."""
+        origin = conn.origin
+        if origin.numeric:
+            await loop.create_connection(lambda: conn, origin.host, origin.port, ssl=ctx)
+            return
+        error: OSError | None = None
+        for family, address in await self._addresses(origin, loop):
+            try:
+                await loop.create_connection(lambda: conn, address[0], address[1], family=family, ssl=ctx,
+                                             server_hostname=origin.host if ctx is not None else None)
+                return
+            except OSError as err:
+                error = err
+        if error is not None:
+            self._resolved.pop(origin, None)  # every address failed: resolve afresh next time
+            raise error
+        raise OSError(f"{origin.host} resolved to no address")
+
+    async def _addresses(self, origin: Origin, loop: asyncio.AbstractEventLoop) -> list[tuple[int, Any]]:
+        """``origin``'s addresses, resolved at most once per :data:`RESOLVE_TTL_S` however many connect.
+
+        A burst of requests to a cold pool opens many connections at once;
+        resolving the engine's name for each (``getaddrinfo`` on a small
+        thread pool) queued them behind one another.
+        """
+        now = loop.time()
+        cached = self._resolved.get(origin)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        pending = self._resolving.get(origin)
+        if pending is None:
+            pending = self._resolving[origin] = asyncio.ensure_future(
+                loop.getaddrinfo(origin.host, origin.port, type=socket.SOCK_STREAM))
+            pending.add_done_callback(lambda _: self._resolving.pop(origin, None))
+        infos = await asyncio.shield(pending)
+        addresses = [(family, sockaddr) for family, _, _, _, sockaddr in infos]
+        self._resolved[origin] = (now + RESOLVE_TTL_S, addresses)
+        return addresses
 
     def _put_idle(self, conn: _Conn) -> None:
         if self._closed or conn.transport is None or conn.transport.is_closing():
