@@ -60,13 +60,13 @@ def test_sink_controls_ingestion_and_recording(tmp_path: Path) -> None:
         pub.publish(batch(stored(a)))  # seq 0, before anyone subscribed
         pub.wait_sent(5)
         service.start_ingestion({"w0": 0})  # resume from seq 0: replayed from the ring
-        wait_until(lambda: service.match(a)["scores"].get("w0") == 3, 10, what="replayed from start_seq")
+        wait_until(lambda: service.match(a).scores.get("w0") == 3, 10, what="replayed from start_seq")
         assert sinks[0].items and service.ingesting
         service.stop_ingestion()
         pub.publish(batch(stored(tokens(2, 1))))
         pub.wait_sent(5)
-        assert nonzero(service.match(tokens(2, 1))["scores"]) == {}  # not subscribed any more
-        assert nonzero(service.match(a)["scores"]) == {"w0": 3}  # the index is kept
+        assert nonzero(service.match(tokens(2, 1)).scores) == {}  # not subscribed any more
+        assert nonzero(service.match(a).scores) == {"w0": 3}  # the index is kept
         assert isinstance(service.recorder, RecordingSink) and service.recorder.records == 1
     finally:
         service.stop()
