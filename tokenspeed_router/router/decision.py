@@ -103,8 +103,7 @@ class CostTerms(NamedTuple):
     cost: float | None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CandidateCost:
+class CandidateCost(NamedTuple):
     """One candidate of one pool, with every term of its cost and why it won or lost.
 
     ``pool``: ``all`` (aggregated serving), or ``decode`` / ``prefill``
@@ -116,7 +115,9 @@ class CandidateCost:
     ``queue_tokens``: prefill tokens queued on the worker (its pending
     prefill); ``cost`` = ``scoring.worker_cost`` of those terms (None for a
     baseline policy); ``cold``: its prefix was not trusted (resyncing, stale,
-    or flagged by the truth loop), so it was credited nothing.
+    or flagged by the truth loop), so it was credited nothing. A NamedTuple
+    (built per candidate per explained request: a frozen dataclass of this
+    many fields costs several times more to construct).
     """
 
     worker: str

@@ -1,0 +1,173 @@
+"""What one routing decision costs the gateway: one index walk instead of two.
+
+Run (under the bench lock on a shared machine)::
+
+    flock /tmp/tsr-bench.lock .venv/bin/python benchmarks/bench_decision.py            # ~1 min
+    flock /tmp/tsr-bench.lock .venv/bin/python benchmarks/bench_decision.py --quick    # smoke
+    .venv/bin/python benchmarks/bench_decision.py --route-only --json out.json          # Router.route alone
+
+Workload: ``bench_router.py``'s (fixed seed, block size 16, 8 workers holding
+1k-16k-token conversations that start with one of four 512-token system
+prompts, fed through ``KvIndex.apply``); queries are 1k-token next turns of a
+stored conversation, 256 requests kept in flight.
+
+Rows, each the median µs per call over the queries, repeated ``--repeats``
+times (median and min-max of the repeats reported). Every mode answers every
+query in turn, each with its own router over the same index, so machine
+noise hits all rows alike:
+
+* ``route`` — ``Router.route`` as the hot path calls it (no explanation);
+* ``route_explain`` — ``Router.route(..., explain=True)`` (what a
+  ``x-tokenspeed-explain`` request will cost);
+* ``gateway_two_walks`` — the gateway's old seam: ``RouterService.match``
+  for the prediction, then ``RouterService.route``: two index walks;
+* ``gateway_one_walk`` — ``RouterService.route`` alone: the decision carries
+  the index's view (``RouteDecision.index_match``), one walk.
+
+``--route-only`` measures the ``route`` row alone with nothing but the public
+API older versions also have, so the same script run with ``PYTHONPATH``
+pointing at another checkout's package compares versions on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from bench_router import SEED, build_index, queries
+
+from tokenspeed_router.router import Router, RouterConfig
+from tokenspeed_router.router.bench import IN_FLIGHT
+
+WORKERS = 8
+TOKENS = 1024
+
+
+def _median_us(seconds: list[float]) -> float:
+    return statistics.median(seconds) * 1e6
+
+
+class _Mode:
+    """One way of making the decision, with its own in-flight window (``IN_FLIGHT`` kept)."""
+
+    def __init__(self, call: Callable[[list[int], str], Any], release: Callable[[str], Any], tag: str) -> None:
+        self.call, self.release, self.tag = call, release, tag
+        self.window: deque[str] = deque()
+        self.seconds: list[float] = []
+
+    def step(self, i: int, q: list[int]) -> None:
+        rid = f"{self.tag}{i}"
+        t0 = time.perf_counter()
+        self.call(q, rid)
+        self.seconds.append(time.perf_counter() - t0)
+        self.window.append(rid)
+        if len(self.window) > IN_FLIGHT:
+            self.release(self.window.popleft())
+
+
+def _router(index: Any, tag: str) -> Router:
+    router = Router(index, RouterConfig(request_id_prefix=tag, seed=SEED), clock=time.monotonic)
+    for w in range(WORKERS):
+        router.add_worker(f"w{w}")
+    return router
+
+
+def _modes(index: Any, rep: int, route_only: bool) -> tuple[dict[str, _Mode], list[Any]]:
+    """The rows' modes: each its own router (or service) over the same loaded index."""
+    plain = _router(index, f"r{rep}")
+    modes = {"route": _Mode(lambda q, rid: plain.route(q, request_id=rid), plain.release, "r")}
+    services: list[Any] = []
+    if route_only:
+        return modes, services
+    from tokenspeed_router.server import RouterService, ServerConfig
+
+    explained = _router(index, f"e{rep}")
+    modes["route_explain"] = _Mode(lambda q, rid: explained.route(q, request_id=rid, explain=True),
+                                   explained.release, "e")
+    two, one = RouterService(ServerConfig(http=None)), RouterService(ServerConfig(http=None))
+    for service in (two, one):
+        with service.locked():
+            service.replace_index(index)  # the same loaded index, behind each service's locks
+        services.append(service)
+
+    def two_walks(q: list[int], rid: str) -> None:
+        two.match(q)  # the old gateway seam: a prediction of its own, then the decision
+        two.route(q, request_id=rid)
+
+    modes["gateway_two_walks"] = _Mode(two_walks, two.release, "a")
+    modes["gateway_one_walk"] = _Mode(lambda q, rid: one.route(q, request_id=rid), one.release, "b")
+    return modes, services
+
+
+def run(num_queries: int, repeats: int, route_only: bool) -> dict[str, Any]:
+    """Every mode answers every query in turn (rotating who goes first), so drift hits all alike."""
+    rng = random.Random(SEED + WORKERS)
+    index, conversations = build_index(WORKERS, 40 if num_queries > 500 else 8, rng)
+    qs = queries(conversations, TOKENS, num_queries, random.Random(SEED + TOKENS))
+    gc.collect()
+    gc.freeze()
+    rows: dict[str, list[float]] = {}
+    for rep in range(repeats):
+        modes, services = _modes(index, rep, route_only)
+        order = list(modes.values())
+        for i, q in enumerate(qs[:50]):  # warm-up
+            for mode in order:
+                mode.step(-1 - i, q)
+        for mode in order:
+            mode.seconds.clear()
+        for i, q in enumerate(qs):
+            k = i % len(order)
+            for mode in order[k:] + order[:k]:
+                mode.step(i, q)
+        for name, mode in modes.items():
+            rows.setdefault(name, []).append(_median_us(mode.seconds))
+        for service in services:
+            service.stop()
+    import tokenspeed_router
+
+    out: dict[str, Any] = {"package": tokenspeed_router.__file__, "workers": WORKERS, "tokens": TOKENS,
+                           "queries": num_queries, "repeats": repeats, "stored_blocks": index.num_blocks(),
+                           "rows": {}}
+    for name, values in rows.items():
+        out["rows"][name] = {"median_us": round(statistics.median(values), 1),
+                             "min_us": round(min(values), 1), "max_us": round(max(values), 1),
+                             "repeats_us": [round(v, 1) for v in values]}
+    r = out["rows"]
+    if not route_only:
+        out["ratios"] = {
+            "route_explain_vs_route": round(r["route_explain"]["median_us"] / r["route"]["median_us"], 2),
+            "gateway_one_walk_vs_two_walks": round(
+                r["gateway_one_walk"]["median_us"] / r["gateway_two_walks"]["median_us"], 2),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="300 queries (smoke)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--route-only", action="store_true", help="the Router.route row alone")
+    parser.add_argument("--json", help="also write the result here")
+    args = parser.parse_args(argv)
+    result = run(300 if args.quick else 2000, args.repeats, args.route_only)
+    for name, row in result["rows"].items():
+        print(f"{name:20s} median {row['median_us']:8.1f} us  (min {row['min_us']:.1f}, max {row['max_us']:.1f}, "
+              f"{result['repeats']} repeats, {WORKERS} workers, {TOKENS}-token prompts)")
+    for name, ratio in result.get("ratios", {}).items():
+        print(f"{name:32s} {ratio:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
