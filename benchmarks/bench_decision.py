@@ -24,15 +24,20 @@ noise hits all rows alike:
 * ``gateway_one_walk`` — ``RouterService.route`` alone: the decision carries
   the index's view (``RouteDecision.index_match``), one walk.
 
-``--route-only`` measures the ``route`` row alone with nothing but the public
-API older versions also have, so the same script run with ``PYTHONPATH``
-pointing at another checkout's package compares versions on this machine.
+``--baseline-router FILE`` adds ``route_baseline``: another version's
+``router/router.py`` (``git show main:tokenspeed_router/router/router.py >
+/tmp/router_main.py``) loaded beside this one, over the same index, its
+``route`` timed query by query with this version's, so the two are compared
+in the same process and run. ``--route-only`` skips the service rows (and
+uses nothing but the API older versions also have, for a run with
+``PYTHONPATH`` pointing at another checkout's package).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import random
 import statistics
@@ -73,17 +78,32 @@ class _Mode:
             self.release(self.window.popleft())
 
 
-def _router(index: Any, tag: str) -> Router:
-    router = Router(index, RouterConfig(request_id_prefix=tag, seed=SEED), clock=time.monotonic)
+def _router(index: Any, tag: str, module: Any = None) -> Any:
+    router_type, config_type = (Router, RouterConfig) if module is None else (module.Router, module.RouterConfig)
+    router = router_type(index, config_type(request_id_prefix=tag, seed=SEED), clock=time.monotonic)
     for w in range(WORKERS):
         router.add_worker(f"w{w}")
     return router
 
 
-def _modes(index: Any, rep: int, route_only: bool) -> tuple[dict[str, _Mode], list[Any]]:
+def load_baseline(path: str) -> Any:
+    """Another version's ``router/router.py``, loaded beside this one (same scoring, index, hashing)."""
+    spec = importlib.util.spec_from_file_location("baseline_router", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["baseline_router"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _modes(index: Any, rep: int, route_only: bool, baseline: Any) -> tuple[dict[str, _Mode], list[Any]]:
     """The rows' modes: each its own router (or service) over the same loaded index."""
     plain = _router(index, f"r{rep}")
     modes = {"route": _Mode(lambda q, rid: plain.route(q, request_id=rid), plain.release, "r")}
+    if baseline is not None:
+        base = _router(index, f"o{rep}", baseline)
+        modes["route_baseline"] = _Mode(lambda q, rid: base.route(q, request_id=rid), base.release, "o")
     services: list[Any] = []
     if route_only:
         return modes, services
@@ -107,7 +127,7 @@ def _modes(index: Any, rep: int, route_only: bool) -> tuple[dict[str, _Mode], li
     return modes, services
 
 
-def run(num_queries: int, repeats: int, route_only: bool) -> dict[str, Any]:
+def run(num_queries: int, repeats: int, route_only: bool, baseline: Any = None) -> dict[str, Any]:
     """Every mode answers every query in turn (rotating who goes first), so drift hits all alike."""
     rng = random.Random(SEED + WORKERS)
     index, conversations = build_index(WORKERS, 40 if num_queries > 500 else 8, rng)
@@ -116,7 +136,7 @@ def run(num_queries: int, repeats: int, route_only: bool) -> dict[str, Any]:
     gc.freeze()
     rows: dict[str, list[float]] = {}
     for rep in range(repeats):
-        modes, services = _modes(index, rep, route_only)
+        modes, services = _modes(index, rep, route_only, baseline)
         order = list(modes.values())
         for i, q in enumerate(qs[:50]):  # warm-up
             for mode in order:
@@ -141,12 +161,14 @@ def run(num_queries: int, repeats: int, route_only: bool) -> dict[str, Any]:
                              "min_us": round(min(values), 1), "max_us": round(max(values), 1),
                              "repeats_us": [round(v, 1) for v in values]}
     r = out["rows"]
+    ratios: dict[str, float] = {}
+    if baseline is not None:
+        ratios["route_vs_baseline"] = round(r["route"]["median_us"] / r["route_baseline"]["median_us"], 2)
     if not route_only:
-        out["ratios"] = {
-            "route_explain_vs_route": round(r["route_explain"]["median_us"] / r["route"]["median_us"], 2),
-            "gateway_one_walk_vs_two_walks": round(
-                r["gateway_one_walk"]["median_us"] / r["gateway_two_walks"]["median_us"], 2),
-        }
+        ratios["route_explain_vs_route"] = round(r["route_explain"]["median_us"] / r["route"]["median_us"], 2)
+        ratios["gateway_one_walk_vs_two_walks"] = round(
+            r["gateway_one_walk"]["median_us"] / r["gateway_two_walks"]["median_us"], 2)
+    out["ratios"] = ratios
     return out
 
 
@@ -155,9 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="300 queries (smoke)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--route-only", action="store_true", help="the Router.route row alone")
+    parser.add_argument("--baseline-router", metavar="FILE",
+                        help="another version's router/router.py, timed beside this one (row route_baseline)")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
-    result = run(300 if args.quick else 2000, args.repeats, args.route_only)
+    baseline = load_baseline(args.baseline_router) if args.baseline_router else None
+    result = run(300 if args.quick else 2000, args.repeats, args.route_only, baseline)
     for name, row in result["rows"].items():
         print(f"{name:20s} median {row['median_us']:8.1f} us  (min {row['min_us']:.1f}, max {row['max_us']:.1f}, "
               f"{result['repeats']} repeats, {WORKERS} workers, {TOKENS}-token prompts)")
