@@ -160,15 +160,17 @@ def run(num_queries: int, repeats: int, route_only: bool, baseline: Any = None) 
         out["rows"][name] = {"median_us": round(statistics.median(values), 1),
                              "min_us": round(min(values), 1), "max_us": round(max(values), 1),
                              "repeats_us": [round(v, 1) for v in values]}
-    r = out["rows"]
-    ratios: dict[str, float] = {}
+    pairs = []
     if baseline is not None:
-        ratios["route_vs_baseline"] = round(r["route"]["median_us"] / r["route_baseline"]["median_us"], 2)
+        pairs.append(("route_vs_baseline", "route", "route_baseline"))
     if not route_only:
-        ratios["route_explain_vs_route"] = round(r["route_explain"]["median_us"] / r["route"]["median_us"], 2)
-        ratios["gateway_one_walk_vs_two_walks"] = round(
-            r["gateway_one_walk"]["median_us"] / r["gateway_two_walks"]["median_us"], 2)
-    out["ratios"] = ratios
+        pairs += [("route_explain_vs_route", "route_explain", "route"),
+                  ("gateway_one_walk_vs_two_walks", "gateway_one_walk", "gateway_two_walks")]
+    out["ratios"] = {}
+    for name, a, b in pairs:  # per repeat (same run, same queries), then median and min-max
+        per = [x / y for x, y in zip(rows[a], rows[b], strict=True)]
+        out["ratios"][name] = {"median": round(statistics.median(per), 3), "min": round(min(per), 3),
+                               "max": round(max(per), 3)}
     return out
 
 
@@ -186,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in result["rows"].items():
         print(f"{name:20s} median {row['median_us']:8.1f} us  (min {row['min_us']:.1f}, max {row['max_us']:.1f}, "
               f"{result['repeats']} repeats, {WORKERS} workers, {TOKENS}-token prompts)")
-    for name, ratio in result.get("ratios", {}).items():
-        print(f"{name:32s} {ratio:.2f}")
+    for name, ratio in result["ratios"].items():
+        print(f"{name:32s} {ratio['median']:.2f}  (min {ratio['min']:.2f}, max {ratio['max']:.2f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
