@@ -32,6 +32,11 @@ transfer are needed) and is ``None`` when the decode worker prefills locally.
 With only ``both`` workers the router never splits a request:
 ``worker == decode_worker`` and ``prefill_worker is None``.
 
+The answer is a :class:`~tokenspeed_router.router.decision.RouteDecision`:
+the ``POST /route`` fields plus each worker's credited prefix and the index's
+own view from the one walk (callers need no ``match`` of their own), and,
+with ``route(..., explain=True)``, every candidate's cost terms.
+
 One owner: a Router is not thread safe; the server calls it from one task.
 The clock and the RNG are injected; nothing here reads global state.
 Complexity per ``route``: one index match (hashing included) plus O(workers).
@@ -761,8 +766,8 @@ class Router:
                 self._cursors[pool] = cursor + 1
                 choice = names[cursor % len(names)]
             if trace is not None:
-                rows = [CostTerms(pool, n, None, float(num_tokens), *self._load_terms(n), None) for n in names]
-                trace.append((rows, choice, frozenset(), policy is Policy.RANDOM))
+                blind = [CostTerms(pool, n, None, float(num_tokens), *self._load_terms(n), None) for n in names]
+                trace.append((blind, choice, frozenset(), policy is Policy.RANDOM))
             return choice
         # scoring.worker_cost, inlined: this loop runs for every worker on every request.
         weights = self._weights
@@ -774,7 +779,7 @@ class Router:
         peers = self._peer_load.peers() if self._peer_load is not None else None
         peer_requests: dict[str, int] = {}
         costs: dict[str, float] = {}
-        rows_: list[CostTerms] | None = [] if trace is not None else None
+        terms: list[CostTerms] | None = [] if trace is not None else None
         best = math.inf
         for name in candidates:
             load: Any = workers[name]
@@ -802,8 +807,8 @@ class Router:
             costs[name] = cost
             if cost < best:
                 best = cost
-            if rows_ is not None:
-                rows_.append(_cost_terms(pool, name, k, uncached, load, peer, cost))
+            if terms is not None:
+                terms.append(_cost_terms(pool, name, k, uncached, load, peer, cost))
         sampled = self._config.temperature > 0.0
         if sampled:
             choice = sample_softmax(costs, self._config.temperature, self._rng)
@@ -813,8 +818,8 @@ class Router:
                 lambda n: (workers[n].active_requests + peer_requests.get(n, 0), workers[n].last_pick),
                 best=best,
             )
-        if trace is not None and rows_ is not None:
-            trace.append((rows_, choice, frozenset(lowest_tied(costs, best=best)), sampled))
+        if trace is not None and terms is not None:  # (both or neither)
+            trace.append((terms, choice, frozenset(lowest_tied(costs, best=best)), sampled))
         return choice
 
     def _load_terms(self, name: str) -> tuple[int, int, int]:
