@@ -49,8 +49,8 @@ from typing import Any
 
 from bench_router import SEED, build_index, queries
 
+from tokenspeed_router.bench.cli_bench import IN_FLIGHT
 from tokenspeed_router.router import Router, RouterConfig
-from tokenspeed_router.router.bench import IN_FLIGHT
 
 WORKERS = 8
 TOKENS = 1024

@@ -37,7 +37,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,17 +46,12 @@ from typing import Any
 
 import httpx
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.loadgen.fleet import stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 256
 NUM_PROMPTS = 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -132,7 +126,7 @@ def _wait_http(url: str, proc: Proc, timeout_s: float = 60.0) -> None:
 
 def _serve(workdir: Path, engines: list[dict[str, Any]], src: Path | None = None,
            name: str = "serve") -> tuple[Proc, int]:
-    port = _free_port()
+    port = free_tcp_port()
     argv = [sys.executable, "-m", "tokenspeed_router.cli", "--log-level", "WARNING", "serve",
             "--http", f"127.0.0.1:{port}"]
     for i, e in enumerate(engines):
@@ -150,7 +144,7 @@ def _vllm_router(workdir: Path, engines: list[dict[str, Any]]) -> tuple[Proc, in
     for e in engines:
         kv += ["--kv-event-source", f"{e['url']}={e['events'][0]}"]
     for policy, extra in (("kv_aware", kv), ("round_robin", [])):
-        port = _free_port()
+        port = free_tcp_port()
         argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[e["url"] for e in engines],
                 "--policy", policy, *extra]
         p = Proc(f"vllm-router-{policy}", argv, workdir)

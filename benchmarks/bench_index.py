@@ -7,7 +7,7 @@ Run::
     .venv/bin/python benchmarks/bench_index.py --json out.json
     benchmarks/dynamo_compare.sh                                # side by side with NVIDIA Dynamo
 
-On top of the library command (same workload, ``tokenspeed_router/router/bench.py``):
+On top of the library command (same workload, ``tokenspeed_router/bench/cli_bench.py``):
 
 * memory per stored block (:func:`retained_bytes`: ``KvIndex.memory_bytes``,
   the bytes the core's tables hold), on the native core and on the
@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from tokenspeed_router.bench import cli_bench as bench
+from tokenspeed_router.bench.cli_bench import BLOCK, Workload, one_block_events, removal_batches
 from tokenspeed_router.events.schema import BlockHash, BlockRemoved, BlockStored, KVEventBatch
 from tokenspeed_router.percentiles import percentile
-from tokenspeed_router.router import bench
-from tokenspeed_router.router.bench import BLOCK, Workload, one_block_events, removal_batches
 from tokenspeed_router.router.index import KvIndex
 
 

@@ -40,12 +40,11 @@ import sys
 import time
 from typing import Any
 
-from trace_replay import TraceReplay, replay_trace
-
+from tokenspeed_router.bench.cli_bench import IN_FLIGHT, POLICIES, time_routes
 from tokenspeed_router.events.schema import BlockStored, KVEventBatch
 from tokenspeed_router.percentiles import percentile as pct
 from tokenspeed_router.router import KvIndex, Router, RouterConfig
-from tokenspeed_router.router.bench import IN_FLIGHT, POLICIES, time_routes
+from tokenspeed_router.sim.trace_replay import TraceReplay, replay_trace
 
 BLOCK = 16
 SEED = 20261129

@@ -44,6 +44,7 @@ from typing import Any
 
 import msgspec
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.percentiles import percentile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,14 +60,6 @@ def _tokens(seed: int, n: int) -> list[int]:
 def _pct(xs: list[float], q: float) -> float:
     """``q`` as a fraction (0.99), as the rest of this file writes it."""
     return percentile(xs, 100 * q)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- load generator
@@ -565,7 +558,7 @@ def main() -> int:
                 Path(args.json).write_text(json.dumps({"costs": results_costs}, indent=2))
             return 0
     streamer = Streamer(args.workers)
-    http_port, zmq_ep = _free_port(), f"tcp://127.0.0.1:{_free_port()}"
+    http_port, zmq_ep = free_tcp_port(), f"tcp://127.0.0.1:{free_tcp_port()}"
     router = _start_router(streamer, http_port, zmq_ep, env)
     results: dict[str, Any] = {"config": {"workers": args.workers, "blocks_per_s": args.blocks_per_s,
                                           "phase_s": duration, "cpus": os.cpu_count(),

@@ -27,7 +27,6 @@ import argparse
 import json
 import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -36,6 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.events import BlockHash, BlockStored, KVEventBatch, encode_batch
 from tokenspeed_router.events.subscriber import BatchReceived
 from tokenspeed_router.state import LocalIndexHost, RedisStateConfig, RedisStateReplica
@@ -45,18 +45,12 @@ BLOCKS_PER_BATCH = 16
 NUM_WORKERS = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def redis_server() -> Iterator[str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server not found: install it or pass --url")
-    port = _free_port()
+    port = free_tcp_port()
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.Popen(
             [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",

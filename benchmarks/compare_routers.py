@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.loadgen.client import RequestRecord
 from tokenspeed_router.loadgen.fleet import (
     EngineHandle,
@@ -52,7 +53,6 @@ from tokenspeed_router.loadgen.fleet import (
     Fleet,
     clock_scaled_router_flags,
     exit_on_sigterm,
-    free_loopback_port,
 )
 from tokenspeed_router.loadgen.prompts import PromptBuilder, PromptConfig, scale_prompts
 from tokenspeed_router.loadgen.replay import ReplayConfig, replay
@@ -152,12 +152,12 @@ def _ours(policy: str) -> Launcher:
 
 
 def _vllm_router(ctx: RunContext, engines: Sequence[EngineHandle]) -> str:
-    port = free_loopback_port()
+    port = free_tcp_port()
     cmd = [str(_binary("vllm-router")), "--host", "127.0.0.1", "--port", str(port),
            "--worker-urls", *[e.url for e in engines], "--policy", "kv_aware",
            "--kv-event-block-size", "16", "--kv-event-model", MODEL, "--log-level", "warning",
            # its metrics exporter has a fixed default port: two replicas would collide
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_loopback_port())]
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_tcp_port())]
     for e in engines:
         cmd += ["--kv-event-source", f"{e.url}={e.events}"]
         if e.replay:
@@ -169,11 +169,11 @@ def _vllm_router(ctx: RunContext, engines: Sequence[EngineHandle]) -> str:
 
 
 def _sglang_router(ctx: RunContext, engines: Sequence[EngineHandle]) -> str:
-    port = free_loopback_port()
+    port = free_tcp_port()
     cmd = [str(_binary("smg")), "launch", "--host", "127.0.0.1", "--port", str(port),
            "--worker-urls", *[e.url for e in engines], "--policy", "cache_aware",
            "--log-level", "warn",
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_loopback_port())]
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_tcp_port())]
     proc = ctx.fleet.start(f"sglang-router-{ctx.replica}", cmd)
     url = f"http://127.0.0.1:{port}"
     ctx.fleet.wait_models(proc, url)
@@ -196,7 +196,7 @@ def _redis(fleet: Fleet) -> str:
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("the replicas scenario needs redis-server on PATH")
-    port = free_loopback_port()
+    port = free_tcp_port()
     proc = fleet.start("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                  "--appendonly", "no", "--dir", str(fleet.log_dir)])
     import redis

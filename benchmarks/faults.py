@@ -54,11 +54,12 @@ from typing import Any
 
 import httpx
 import zmq
-from harness import RedisServer, Serve, data_dir, free_port, rss_bytes, wait_for
+from harness import RedisServer, Serve, data_dir, rss_bytes, wait_for
 
 from tokenspeed_router.cache import PrefixCache
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.events import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
-from tokenspeed_router.events.log import read_kvcap
+from tokenspeed_router.events.kvcap import read_kvcap
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 from tokenspeed_router.hashing import block_hashes
 
@@ -612,7 +613,7 @@ def fault_router_kill_relay(ctx: Ctx, *, relay: bool = True) -> Row:
         relays: list[subprocess.Popen[bytes]] = []
         try:
             for e in c.engines if relay else []:
-                pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+                pub, rep = f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}"
                 log = open(ctx.workdir / f"relay-{e.name}.log", "wb")  # noqa: SIM115
                 relays.append(subprocess.Popen(
                     [sys.executable, "-m", "tokenspeed_router.cli", "--log-level", "WARNING", "relay",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.loadgen.fleet import stop_process
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,13 +37,6 @@ def data_dir(kind: str) -> Path:
         if (path / kind).is_dir():
             return path / kind
     raise SystemExit(f"no {kind}/ found (tests/data or shared/): set TOKENSPEED_SHARED")
-
-
-def free_port() -> int:
-    """An OS-chosen free loopback port (for servers that need a number up front)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(pred: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.01) -> T:
@@ -77,7 +70,7 @@ class Serve:
     def __init__(self, args: list[str], *, log_dir: Path, port: int | None = None,
                  log_level: str = "WARNING") -> None:
         self.args = args
-        self.port = port if port is not None else free_port()
+        self.port = port if port is not None else free_tcp_port()
         self.log_dir = log_dir
         self.log_level = log_level
         self.proc: subprocess.Popen[bytes] | None = None
@@ -160,7 +153,7 @@ class RedisServer:
         if binary is None:
             raise SystemExit("redis-server not found on PATH (apt-get install redis-server)")
         self.binary = binary
-        self.port = free_port()
+        self.port = free_tcp_port()
         self._dir = tempfile.TemporaryDirectory()
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -10,24 +10,18 @@ then asks ``/match`` and ``/route`` with :class:`HttpRouterClient`.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
 import time
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.events import BlockHash, BlockStored, KVEventBatch
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 from tokenspeed_router.hashing import block_hashes
 from tokenspeed_router.server import HttpRouterClient
 
 BLOCK = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def store(pub: ZmqEventPublisher, token_ids: list[int]) -> None:
@@ -42,7 +36,7 @@ def main() -> int:
     chat_a = system_prompt + list(range(2000, 2064))
     chat_b = system_prompt + list(range(3000, 3032))
     workers = [ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*") for _ in range(2)]
-    port = free_port()
+    port = free_tcp_port()
     cmd = [sys.executable, "-m", "tokenspeed_router.cli", "--log-level", "WARNING", "serve",
            "--http", f"127.0.0.1:{port}"]
     for i, pub in enumerate(workers):

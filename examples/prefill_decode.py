@@ -11,7 +11,6 @@ itself, a ``prefill_worker`` that computes the prompt's KV first.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,25 +18,13 @@ import threading
 import time
 from pathlib import Path
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.events import BlockHash, BlockStored, KVEventBatch
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 from tokenspeed_router.hashing import block_hashes
 from tokenspeed_router.server import HttpRouterClient
 
 BLOCK = 16
-
-
-def consecutive_ports() -> int:
-    """A port P with P and P+1 free (a dp_ranks=2 worker publishes on P and P+1)."""
-    while True:
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-            return int(p)
 
 
 def store(pub: ZmqEventPublisher, toks: list[int]) -> None:
@@ -47,10 +34,11 @@ def store(pub: ZmqEventPublisher, toks: list[int]) -> None:
 
 def main() -> int:
     prefill = [ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*") for _ in range(2)]
-    ev, rp = consecutive_ports(), consecutive_ports()
+    ev = free_tcp_port(consecutive=2)  # a dp_ranks=2 worker publishes on P and P+1
+    rp = free_tcp_port(consecutive=2, avoid=(ev,))
     decode = [ZmqEventPublisher(f"tcp://127.0.0.1:{ev}", replay_endpoint=f"tcp://127.0.0.1:{rp}", dp_rank=r)
               for r in range(2)]
-    http = consecutive_ports()
+    http = free_tcp_port(avoid=(ev, ev + 1, rp, rp + 1))
     config = Path(tempfile.mkdtemp(prefix="tokenspeed-pd-")) / "router.toml"
     config.write_text(f"""
 http = "127.0.0.1:{http}"

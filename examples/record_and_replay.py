@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.events import BlockHash, BlockRemoved, BlockStored, Event, KVEventBatch
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 from tokenspeed_router.hashing import block_hashes
@@ -29,18 +29,12 @@ BLOCK = 16
 CLI = [sys.executable, "-m", "tokenspeed_router.cli", "--log-level", "WARNING"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="tokenspeed-example-"))
     log = tmp / "events.tslog"
     rng = random.Random(0)
     pubs = [ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*") for _ in range(2)]
-    port = free_port()
+    port = free_tcp_port()
     cmd = [*CLI, "serve", "--http", f"127.0.0.1:{port}", "--record", str(log)]
     for i, pub in enumerate(pubs):
         cmd += ["--worker", f"name=w{i},events={pub.endpoint},replay={pub.replay_endpoint}"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,18 +23,13 @@ from typing import Any, TypeVar
 
 import httpx
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.events import BlockHash, BlockStored, KVEventBatch
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 
 CLI = [sys.executable, "-m", "tokenspeed_router.cli", "--log-level", "WARNING"]
 PROMPT = list(range(100, 164))  # 4 blocks of 16
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait(pred: Callable[[], T], timeout_s: float = 30.0) -> T:
@@ -59,14 +53,14 @@ def main() -> None:
     if len(sys.argv) > 1:
         url = sys.argv[1]
     else:
-        port = free_port()
+        port = free_tcp_port()
         redis_proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port",
                                        str(port), "--save", "", "--appendonly", "no"],
                                       stdout=subprocess.DEVNULL)
         url = f"redis://127.0.0.1:{port}/0"
     pub = ZmqEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
     worker = f"name=w0,events={pub.endpoint},replay={pub.replay_endpoint}"
-    ports = [free_port(), free_port()]
+    ports = [free_tcp_port(), free_tcp_port()]
     procs = [subprocess.Popen([*CLI, "serve", "--worker", worker, "--http", f"127.0.0.1:{p}",
                                "--state", f"{url}?cluster=example&lease_ttl_s=2&replica_id=r{i}"])
              for i, p in enumerate(ports)]

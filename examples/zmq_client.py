@@ -9,12 +9,12 @@ the ZMQ API is the low-latency path for a gateway that routes every request.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.events import BlockHash, BlockStored, KVEventBatch
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 from tokenspeed_router.hashing import block_hashes
@@ -24,16 +24,10 @@ BLOCK = 16
 TOKEN = "example-token"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> int:
     docs = {i: list(range(10_000 * (i + 1), 10_000 * (i + 1) + 8 * BLOCK)) for i in range(3)}
     workers = [ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*") for _ in range(3)]
-    http_port, zmq_api = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    http_port, zmq_api = free_tcp_port(), f"tcp://127.0.0.1:{free_tcp_port()}"
     cmd = [sys.executable, "-m", "tokenspeed_router.cli", "--log-level", "WARNING", "serve",
            "--http", f"127.0.0.1:{http_port}", "--zmq-api", zmq_api]
     for i, pub in enumerate(workers):

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
-from support import REPO_ROOT, captures_dir, free_tcp_port, traces_dir, wait_until
+from support import captures_dir, traces_dir, wait_until
 
-# Lab models that live with the benchmarks and are also checked by tests
-# (benchmarks/trace_replay.py, benchmarks/bench_index.py's memory counter).
-sys.path.append(str(REPO_ROOT / "benchmarks"))
+from tokenspeed_router.endpoints import free_tcp_port
 
 
 @pytest.fixture(scope="session")

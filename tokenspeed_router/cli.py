@@ -21,13 +21,13 @@ from tokenspeed_router.errors import TokenspeedError
 #: command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tokenspeed_router.loadgen.cli_demo",
-             "engine-sims + gateway + trace load: our routing against the baselines (~1 min)"),
+             "engine-sims + gateway + trace load: our routing against the baselines (~2 min)"),
     "serve": ("tokenspeed_router.server.cli_serve", "run the router: subscribers, index, HTTP/ZMQ API"),
     "record": ("tokenspeed_router.server.cli_record", "subscribe to workers and write an event log"),
     "replay": ("tokenspeed_router.server.cli_replay", "rebuild the index from an event log"),
     "inspect": ("tokenspeed_router.server.cli_inspect", "summarise an event log or a live router"),
     "simulate": ("tokenspeed_router.sim.cli_simulate", "trace-driven evaluation of routing policies"),
-    "bench": ("tokenspeed_router.router.bench", "benchmark ingestion, matching and routing"),
+    "bench": ("tokenspeed_router.bench.cli_bench", "benchmark ingestion, matching and routing"),
     "loadgen": ("tokenspeed_router.loadgen.cli_loadgen",
                 "replay a Mooncake trace against an OpenAI endpoint (TTFT, hit ratio, spread)"),
     "relay": ("tokenspeed_router.relay.cli_relay", "follow one engine's KV events, republish them with snapshots"),

@@ -17,7 +17,7 @@ import pytest
 from support import captures_dir
 
 from tokenspeed_router.events import decode_batch
-from tokenspeed_router.events.log import read_kvcap
+from tokenspeed_router.events.kvcap import read_kvcap
 from tokenspeed_router.router.index import KvIndex
 
 _END = b"\xff" * 8

@@ -13,8 +13,8 @@ import random
 
 import pytest
 import zmq
-from cache_reference import EventFolder
 from support import wait_until
+from support.cache_reference import EventFolder
 
 from tokenspeed_router.cache import PrefixCache
 from tokenspeed_router.events import (

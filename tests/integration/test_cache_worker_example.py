@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 
-from cache_reference import EventFolder
 from support import REPO_ROOT, wait_until
+from support.cache_reference import EventFolder
 
 from tokenspeed_router.events import BatchReceived, EventSubscriber
 from tokenspeed_router.router import KvIndex

@@ -15,8 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from server_support import ServeProcess
-from support import REPO_ROOT, free_tcp_port, without_packages_env
+from support import REPO_ROOT, without_packages_env
+from support.server import ServeProcess
+
+from tokenspeed_router.endpoints import free_tcp_port
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_sim_support import EngineSim, words
 from support import wait_until
+from support.engine_sim import EngineSim, words
 
 from tokenspeed_router.events import BatchReceived, EventSubscriber
 from tokenspeed_router.events.schema import AllBlocksCleared, BlockStored

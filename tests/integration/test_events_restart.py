@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import zmq
-from support import free_tcp_port, wait_until
+from support import wait_until
 from zmq.utils.monitor import recv_monitor_message
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.errors import PublishError
 from tokenspeed_router.events import (
     BatchReceived,

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_sim_support import words
-from gateway_support import Gateway, open_with_fixed_ports, sse_events
-from server_support import two_free_ports
-from support import free_tcp_port, wait_until
+from support import wait_until
+from support.engine_sim import words
+from support.gateway import Gateway, open_with_fixed_ports, sse_events
+
+from tokenspeed_router.endpoints import free_tcp_port
 
 #: one decode step: slow enough that a buffered stream would be visible, fast enough for CI
 STEP_S = 0.05
@@ -181,8 +182,8 @@ def test_killed_engine_mid_stream_then_failover(tmp_path: Path) -> None:
 def test_data_parallel_ranks_are_addressed_by_header(tmp_path: Path) -> None:
     """A ``dp_ranks=2`` worker: the router picks a rank, vLLM's X-data-parallel-rank header takes it there."""
     def make() -> Gateway:
-        events = two_free_ports()
-        replay = two_free_ports(avoid=(events,))
+        events = free_tcp_port(consecutive=2)
+        replay = free_tcp_port(consecutive=2, avoid=(events,))
         args = ["--instant", "--dp-ranks", "2", "--events", f"tcp://127.0.0.1:{events}",
                 "--replay", f"tcp://127.0.0.1:{replay}"]
         return Gateway(tmp_path, [args], spec_extra="dp_ranks=2")

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from engine_sim_support import EngineSim
 from starlette.testclient import TestClient
 from support import wait_until
+from support.engine_sim import EngineSim
 
 from tokenspeed_router.router import KvIndex, MatchDetail, RouterConfig
 from tokenspeed_router.server import RouterService, ServerConfig, WorkerSpec, create_app

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine_sim_support import words
-from gateway_support import Gateway, sse_events
+from support.engine_sim import words
+from support.gateway import Gateway, sse_events
 
 
 def test_prefill_leg_then_decode_leg(tmp_path: Path) -> None:

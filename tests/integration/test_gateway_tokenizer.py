@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine_sim_support import words
-from gateway_support import Gateway
 from support import wait_until
+from support.engine_sim import words
+from support.gateway import Gateway
 
 from tokenspeed_router.engine_sim.tokenizer import SimTokenizer
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine_sim_support import words
-from gateway_support import Gateway
+from support.engine_sim import words
+from support.gateway import Gateway
 
 #: shared prefixes the requests come back to, each followed by a fresh tail
 NUM_PREFIXES = 4

@@ -95,9 +95,9 @@ def test_replicas_split_the_traffic(engines: list[EngineHandle]) -> None:
 
 
 def test_unreachable_target_is_counted_not_fatal(engines: list[EngineHandle], tmp_path: Path) -> None:
-    from tokenspeed_router.loadgen.fleet import free_loopback_port
+    from tokenspeed_router.endpoints import free_tcp_port
 
-    dead = f"http://127.0.0.1:{free_loopback_port()}"
+    dead = f"http://127.0.0.1:{free_tcp_port()}"
     outcome = replay(_requests(), PromptBuilder(PromptConfig(model=MODEL)),
                      ReplayConfig(target=dead, connect_timeout_s=2.0))
     m = summarize(outcome.records, wall_s=outcome.wall_s)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import msgspec
 import zmq
-from relay_support import (
+from support import wait_until
+from support.relay import (
     LOOPBACK,
     PAGE,
     Ctx,
@@ -21,8 +22,7 @@ from relay_support import (
     handshake,
     workload,
 )
-from server_support import DropProxy
-from support import wait_until
+from support.server import DropProxy
 
 from tokenspeed_router.events import (
     AllBlocksCleared,

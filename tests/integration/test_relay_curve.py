@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from relay_support import (
+from support import wait_until
+from support.relay import (
     Ctx,
     Engine,
     RelayThread,
@@ -14,7 +15,6 @@ from relay_support import (
     handshake,
     workload,
 )
-from support import wait_until
 
 from tokenspeed_router.events.curve import CurveClientKeys, generate_key_files
 

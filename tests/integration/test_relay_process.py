@@ -16,9 +16,11 @@ import sys
 from pathlib import Path
 
 import httpx
-from relay_support import Ctx, Engine, workload
-from server_support import ServeProcess
-from support import REPO_ROOT, free_tcp_port, wait_until
+from support import REPO_ROOT, wait_until
+from support.relay import Ctx, Engine, workload
+from support.server import ServeProcess
+
+from tokenspeed_router.endpoints import free_tcp_port
 
 
 def _cli(*args: str) -> list[str]:

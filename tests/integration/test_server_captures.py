@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from server_support import CapturePublisher, ServeProcess, two_free_ports
 from support import wait_until
+from support.server import CapturePublisher, ServeProcess
+
+from tokenspeed_router.endpoints import free_tcp_port
 
 ENGINES = ("tokenspeed-0.1.1", "vllm-0.33.0", "vllm-0.33.0-bytes-hashes", "sglang-0.5.23")
 
@@ -25,8 +27,8 @@ def test_captures_through_the_router_process(captures: Path, tmp_path: Path) -> 
         for engine in ENGINES:
             short = engine.replace(".", "").replace("-", "")[:12]
             if engine == "vllm-0.33.0":
-                base = two_free_ports()
-                replay_base = two_free_ports(avoid=(base,))
+                base = free_tcp_port(consecutive=2)
+                replay_base = free_tcp_port(consecutive=2, avoid=(base,))
                 pub = CapturePublisher(captures / engine, base_port=base, replay_base_port=replay_base)
                 args += ["--worker", f"name={short},events=tcp://127.0.0.1:{base},"
                          f"replay=tcp://127.0.0.1:{replay_base},dp_ranks=2,topic=kv"]

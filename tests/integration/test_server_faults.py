@@ -18,18 +18,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from server_support import BLOCK, DropProxy, ServeProcess, batch, removed, stored, tokens
-from support import REPO_ROOT, free_tcp_port, wait_until
+from support import REPO_ROOT, wait_until
+from support.server import BLOCK, DropProxy, ServeProcess, batch, removed, stored, tokens
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 
 
 class PublisherProcess:
-    """tests/server_publisher.py in a subprocess, one command at a time."""
+    """tests/support/server_publisher.py in a subprocess, one command at a time."""
 
     def __init__(self, endpoint: str, replay: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(REPO_ROOT / "tests" / "server_publisher.py"), "--endpoint", endpoint,
+            [sys.executable, "-m", "support.server_publisher", "--endpoint", endpoint,
              "--replay", replay],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT / "tests",
         )

@@ -18,18 +18,10 @@ from typing import Any
 import httpx
 import msgspec
 import zmq
-from server_support import (
-    CapturePublisher,
-    ServeProcess,
-    batch,
-    nonzero,
-    removed,
-    stored,
-    tokens,
-    two_free_ports,
-)
-from support import REPO_ROOT, free_tcp_port, wait_until
+from support import REPO_ROOT, wait_until
+from support.server import CapturePublisher, ServeProcess, batch, nonzero, removed, stored, tokens
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.errors import RouterApiError
 from tokenspeed_router.events.log import EventLogReader
 from tokenspeed_router.events.publisher import ZmqEventPublisher
@@ -73,8 +65,8 @@ def _workload(pubs: list[ZmqEventPublisher], rng: random.Random, steps: int) -> 
 
 
 def test_record_serve_replay_equivalence(tmp_path: Path) -> None:
-    base, rbase = two_free_ports(), 0
-    rbase = two_free_ports(avoid=(base,))
+    base, rbase = free_tcp_port(consecutive=2), 0
+    rbase = free_tcp_port(consecutive=2, avoid=(base,))
     pool = [ZmqEventPublisher(f"tcp://127.0.0.1:{base}", replay_endpoint=f"tcp://127.0.0.1:{rbase}", dp_rank=r)
             for r in range(2)]
     prefill = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")

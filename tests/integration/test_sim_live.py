@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from tokenspeed_router.sim.cli_demo import RECOMMENDED_ROUTER_OPTIONS, demo_cluster, demo_requests
 from tokenspeed_router.sim.cluster import Simulator
+from tokenspeed_router.sim.demo import RECOMMENDED_ROUTER_OPTIONS, demo_cluster, demo_requests
 from tokenspeed_router.sim.live import HttpRouterBackend, LiveCluster, RealTimePacer
 from tokenspeed_router.sim.report import policy_metrics
 from tokenspeed_router.sim.runner import run_policy

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from state_harness import make_config
 from support import wait_until
+from support.state_harness import make_config
 
 from tokenspeed_router.events import (
     AllBlocksCleared,

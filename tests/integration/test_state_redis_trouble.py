@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import zmq
-from state_harness import Reference, Replica, Workers, wait_converged, wait_leader
 from support import wait_until
+from support.state_harness import Reference, Replica, Workers, wait_converged, wait_leader
 
 pytestmark = pytest.mark.redis
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 import zmq
-from state_harness import (
+from support import wait_until
+from support.state_harness import (
     Reference,
     Replica,
     Workers,
@@ -21,7 +22,6 @@ from state_harness import (
     wait_converged,
     wait_leader,
 )
-from support import wait_until
 
 pytestmark = pytest.mark.redis
 

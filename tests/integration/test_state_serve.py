@@ -18,8 +18,10 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from state_harness import Reference, Workers, queries
-from support import REPO_ROOT, free_tcp_port, wait_until
+from support import REPO_ROOT, wait_until
+from support.state_harness import Reference, Workers, queries
+
+from tokenspeed_router.endpoints import free_tcp_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

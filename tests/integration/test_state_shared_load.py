@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_support import ServeProcess
-from state_harness import make_config
 from support import wait_until
+from support.server import ServeProcess
+from support.state_harness import make_config
 
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 from tokenspeed_router.router.router import Router

@@ -21,7 +21,6 @@ import array
 import hypothesis.strategies as st
 import pytest
 import torch
-from cache_reference import Chain, EventFolder
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import (
     Bundle,
@@ -32,6 +31,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from support.cache_reference import Chain, EventFolder
 
 from tokenspeed_router.cache import EVICTION_POLICIES, PrefixCache, Req, TreeNode
 from tokenspeed_router.errors import CacheError, OutOfPagesError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cache_reference import EventFolder
+from support.cache_reference import EventFolder
 
 from tokenspeed_router.cache import (
     CacheInitParams,

@@ -8,8 +8,9 @@ import warnings
 from pathlib import Path
 
 import pytest
-from support import free_tcp_port, wait_until
+from support import wait_until
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.gateway.openai import OpenAIError, parse_chat, parse_completion

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tokenspeed_router.bench import cli_bench as bench
 from tokenspeed_router.cli import main as cli_main
 from tokenspeed_router.percentiles import percentile
-from tokenspeed_router.router import bench
 
 
 def test_workload_is_deterministic_and_consistent() -> None:

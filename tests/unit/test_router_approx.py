@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router_support import FakeClock, StubIndex
+from support.router import FakeClock, StubIndex
 
 from tokenspeed_router.hashing import block_hashes
 from tokenspeed_router.router.router import Router, RouterConfig

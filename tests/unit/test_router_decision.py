@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from router_support import FakeClock
+from support.router import FakeClock
 
 from tokenspeed_router.events.schema import BlockStored, KVEventBatch
 from tokenspeed_router.hashing import block_hashes

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router_support import PROMPT, FakeClock, StubIndex
+from support.router import PROMPT, FakeClock, StubIndex
 
 from tokenspeed_router.router.router import Router, RouterConfig
 from tokenspeed_router.router.scoring import WorkerLoad

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from router_support import FakeClock
+from support.router import FakeClock
 
 from tokenspeed_router.errors import NoWorkerAvailableError
 from tokenspeed_router.events.schema import BlockStored, KVEventBatch

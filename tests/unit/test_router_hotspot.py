@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 from support import traces_dir
-from trace_replay import TraceReplay, replay_trace
 
 from tokenspeed_router.router.ingest import WorkerState
 from tokenspeed_router.router.router import RouterConfig
+from tokenspeed_router.sim.trace_replay import TraceReplay, replay_trace
 
 PREFILL_TOKENS_PER_S = 10_000.0
 TPOT_S = 0.02

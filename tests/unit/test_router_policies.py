@@ -6,7 +6,7 @@ import random
 from collections import Counter
 
 import pytest
-from router_support import PROMPT, FakeClock, StubIndex, make_router
+from support.router import PROMPT, FakeClock, StubIndex, make_router
 
 from tokenspeed_router.errors import ConfigError, NoWorkerAvailableError
 from tokenspeed_router.router.router import Router, RouterConfig

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router_support import FakeClock
+from support.router import FakeClock
 
 from tokenspeed_router.events.schema import BlockStored, KVEventBatch
 from tokenspeed_router.events.subscriber import ResyncNeeded

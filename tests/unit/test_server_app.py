@@ -8,8 +8,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from server_support import batch, nonzero, stored, tokens
 from support import wait_until
+from support.server import batch, nonzero, stored, tokens
 
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.events.log import EventLogReader

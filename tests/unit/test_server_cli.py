@@ -9,7 +9,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from server_support import batch, stored, tokens
+from support.server import batch, stored, tokens
 
 from tokenspeed_router.cli import main
 from tokenspeed_router.events.codec import encode_batch

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
-from server_support import batch, nonzero, removed, stored, tokens
 from starlette.exceptions import StarletteDeprecationWarning
+from support.server import batch, nonzero, removed, stored, tokens
 
 from tokenspeed_router.server import ApiLimits, RouterService, ServerConfig, create_app
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
-from server_support import batch, stored, tokens
+from support.server import batch, stored, tokens
 
 from tokenspeed_router.errors import RouterApiError
 from tokenspeed_router.server import RouterService, ServerConfig, ZmqApiServer, ZmqRouterClient

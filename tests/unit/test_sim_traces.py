@@ -95,7 +95,7 @@ def test_workload_is_deterministic_and_prefix_consistent() -> None:
 
 
 def test_demo_slice_ships_as_package_data() -> None:
-    from tokenspeed_router.sim.cli_demo import demo_requests
+    from tokenspeed_router.sim.demo import demo_requests
 
     reqs = demo_requests(rate_scale=8.0)
     assert len(reqs) == 399
@@ -108,7 +108,7 @@ def test_sample_prefix_groups_keeps_whole_groups_deterministically() -> None:
     (`sample_prefix_groups(full, prefix_blocks=1, groups=60, seed=1)` on the whole
     file, which the repository does not ship): sampling all its groups gives it
     back, and fewer groups are whole, seeded and time-scaled."""
-    from tokenspeed_router.sim.cli_demo import demo_requests
+    from tokenspeed_router.sim.demo import demo_requests
     from tokenspeed_router.sim.traces import sample_prefix_groups
 
     shipped = demo_requests(rate_scale=1.0)

@@ -20,15 +20,14 @@ import sys
 
 import uvicorn
 
+from tokenspeed_router.endpoints import HostPort, bind_socket
 from tokenspeed_router.engine_sim.api import EngineSimApp, create_app
 from tokenspeed_router.engine_sim.engine import Engine, EngineConfig
 from tokenspeed_router.engine_sim.publishing import EventOutlet, OutletConfig
 from tokenspeed_router.engine_sim.timing import TimingModel
 from tokenspeed_router.engine_sim.tokenizer import SimTokenizer
 from tokenspeed_router.errors import ConfigError
-from tokenspeed_router.server.cli_serve import shutdown_signals
-from tokenspeed_router.server.config import HostPort
-from tokenspeed_router.server.http import bind_socket
+from tokenspeed_router.process import shutdown_signals
 
 __all__ = ["add_arguments", "run"]
 

@@ -5,13 +5,12 @@ Never imports torch: the router side must deploy without GPU stacks.
 
 from tokenspeed_router.events.codec import BatchDecoder, decode_batch, encode_batch
 from tokenspeed_router.events.frames import END_SEQ, offset_endpoint_port
+from tokenspeed_router.events.kvcap import KvcapRecord, read_kvcap
 from tokenspeed_router.events.log import (
     EventLogReader,
     EventLogWriter,
-    KvcapRecord,
     LogRecord,
     open_event_source,
-    read_kvcap,
 )
 from tokenspeed_router.events.publisher import (
     PublisherStatistics,
@@ -32,10 +31,10 @@ from tokenspeed_router.events.subscriber import (
     EventSubscriber,
     PublisherRestarted,
     ResyncNeeded,
-    SubscriberGroup,
     SubscriberItem,
     SubscriberStatistics,
 )
+from tokenspeed_router.events.subscriber_group import SubscriberGroup
 
 __all__ = [
     "END_SEQ",

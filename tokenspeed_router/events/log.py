@@ -22,9 +22,9 @@ Our format (``.tslog`` by convention), version 1, little-endian::
   then scans forward; it assumes receive times are non-decreasing, which
   holds for logs written by one recorder on one clock.
 
-Also here: :func:`read_kvcap` for the ``.kvcap`` captures in
-``tests/data/captures/`` and :func:`open_event_source`, which turns our log, one
-capture file or a capture directory into the same stream of :class:`LogRecord`.
+Also here: :func:`open_event_source`, which turns our log, one ``.kvcap``
+capture file or a capture directory (the format: ``kvcap.py``) into the same
+stream of :class:`LogRecord`.
 :class:`EventLogReader` opens a ``.kvcap`` file too (recognised by its magic):
 it yields the same records as ``open_event_source`` does for that file (worker
 = file name up to the first dot), with ``meta`` = ``{"format": "kvcap",
@@ -36,36 +36,37 @@ capture has no record index: each pass re-reads the file (captures are small).
 from __future__ import annotations
 
 import bisect
-import heapq
 import io
 import json
 import os
 import struct
 import time
 import zlib
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
 
 from tokenspeed_router.errors import EventLogError
-from tokenspeed_router.events.frames import END_SEQ, SEQ_BYTES, decode_seq
+from tokenspeed_router.events.kvcap import (
+    KVCAP_MAGIC,
+    KvcapLog,
+    capture_dir_records,
+    kvcap_log_records,
+)
+from tokenspeed_router.events.records import LogRecord
 
 __all__ = [
     "LOG_MAGIC",
     "LOG_VERSION",
     "EventLogReader",
     "EventLogWriter",
-    "KvcapRecord",
     "LogRecord",
     "open_event_source",
-    "read_kvcap",
 ]
 
 LOG_MAGIC = b"TSEVLOG\n"
 LOG_VERSION = 1
-KVCAP_MAGIC = b"KVCAPv1\n"
 
 _HEAD = struct.Struct("<HI")  # version, meta_len
 _CRC = struct.Struct("<I")
@@ -74,17 +75,6 @@ _BODY = struct.Struct("<dQHH")  # recv_time_s, seq, worker_len, topic_len
 _MAX_BODY = 1 << 30  # a larger length can only be damage
 _MAX_META = 16 << 20
 _INDEX_EVERY = 256
-
-
-@dataclass(frozen=True, slots=True)
-class LogRecord:
-    """One received message: when, from which worker, its seq, topic and payload."""
-
-    recv_time_s: float
-    worker: str
-    seq: int
-    topic: bytes
-    payload: bytes
 
 
 # ---------------------------------------------------------------- writer
@@ -202,10 +192,10 @@ class EventLogReader:
         self._file: BinaryIO = open(self._path, "rb")  # noqa: SIM115 - owned, closed in close()
         # A .kvcap capture is read as a log too: its message records become
         # LogRecords (worker = file stem), as open_event_source yields them.
-        self._kvcap: _KvcapLog | None = None
+        self._kvcap: KvcapLog | None = None
         try:
             if self._file.read(len(KVCAP_MAGIC)) == KVCAP_MAGIC:
-                self._kvcap = _KvcapLog(self._path)
+                self._kvcap = KvcapLog(self._path)
                 self._meta: dict[str, Any] = {"format": "kvcap", "worker": self._kvcap.worker}
                 self._version = 1
                 self._data_start = 0
@@ -420,126 +410,6 @@ def _read_header(f: BinaryIO, path: Path) -> tuple[dict[str, Any], int, int]:
     return meta, version, len(magic) + _HEAD.size + meta_len + _CRC.size
 
 
-# ---------------------------------------------------------------- .kvcap
-
-
-@dataclass(frozen=True, slots=True)
-class KvcapRecord:
-    """One ``recv_multipart`` result from a capture: wall-clock ns and raw frames."""
-
-    recv_time_ns: int
-    frames: tuple[bytes, ...]
-
-
-_KVCAP_HEAD = struct.Struct("<QI")
-_KVCAP_FRAME = struct.Struct("<I")
-
-
-def read_kvcap(path: str | os.PathLike[str]) -> Iterator[KvcapRecord]:
-    """Yield the records of a ``.kvcap`` capture (format in ``tests/data/captures/README.md``).
-
-    A torn last record is dropped (the intact prefix is yielded); a bad
-    magic raises :class:`EventLogError`.
-    """
-    data = Path(path).read_bytes()
-    if not data.startswith(KVCAP_MAGIC):
-        raise EventLogError(f"{path} is not a .kvcap capture (magic {data[:8]!r})")
-    for record, _ in _parse_kvcap(data):
-        yield record
-
-
-def _parse_kvcap(data: bytes) -> Iterator[tuple[KvcapRecord, int]]:
-    """Complete records of a capture (magic already checked), each with its end offset."""
-    off = len(KVCAP_MAGIC)
-    end = len(data)
-    while off + _KVCAP_HEAD.size <= end:
-        recv_ns, num_frames = _KVCAP_HEAD.unpack_from(data, off)
-        pos = off + _KVCAP_HEAD.size
-        frames: list[bytes] = []
-        for _ in range(num_frames):
-            if pos + _KVCAP_FRAME.size > end:
-                return
-            (length,) = _KVCAP_FRAME.unpack_from(data, pos)
-            pos += _KVCAP_FRAME.size
-            if pos + length > end:
-                return
-            frames.append(data[pos : pos + length])
-            pos += length
-        yield KvcapRecord(recv_ns, tuple(frames)), pos
-        off = pos
-
-
-def kvcap_worker(path: str | os.PathLike[str]) -> str:
-    """Worker name of a capture file: its name up to the first dot (``dp1.sub.kvcap`` -> ``dp1``)."""
-    return Path(path).name.split(".", 1)[0]
-
-
-class _KvcapLog:
-    """A capture seen as a log: its message records, re-read on each :meth:`load`."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.worker = kvcap_worker(path)
-        self.torn = False
-
-    def load(self) -> list[LogRecord]:
-        """The message records of the intact prefix; sets :attr:`torn` when bytes
-        follow it (a torn or damaged last record)."""
-        data = self.path.read_bytes()
-        if not data.startswith(KVCAP_MAGIC):
-            raise EventLogError(f"{self.path} is not a .kvcap capture (magic {data[:8]!r})")
-        records: list[KvcapRecord] = []
-        clean_end = len(KVCAP_MAGIC)
-        for record, end in _parse_kvcap(data):
-            records.append(record)
-            clean_end = end
-        self.torn = clean_end != len(data)
-        return list(_kvcap_messages(records, self.worker))
-
-
-def _kvcap_log_records(path: Path) -> Iterator[LogRecord]:
-    yield from _kvcap_messages(read_kvcap(path), kvcap_worker(path))
-
-
-def _kvcap_messages(records: Iterable[KvcapRecord], worker: str) -> Iterator[LogRecord]:
-    """Live records ``[topic, seq, payload]`` and replay records (DEALER delimiter
-    first, then vLLM ``[topic, seq, payload]`` or TokenSpeed ``[seq, payload]``);
-    end markers and anything else are skipped."""
-    for rec in records:
-        frames = rec.frames
-        if len(frames) == 4 and frames[0] == b"":
-            topic, seq_frame, payload = frames[1:]
-        elif len(frames) == 3 and frames[0] == b"" and len(frames[1]) == SEQ_BYTES:
-            topic, seq_frame, payload = b"", frames[1], frames[2]
-        elif len(frames) == 3:
-            topic, seq_frame, payload = frames
-        else:
-            continue
-        if seq_frame == END_SEQ or len(seq_frame) != SEQ_BYTES:
-            continue
-        yield LogRecord(rec.recv_time_ns / 1e9, worker, decode_seq(seq_frame), topic, payload)
-
-
-def _merged_worker(records: Iterable[LogRecord]) -> list[LogRecord]:
-    """One worker's records in seq order, the first copy of each seq kept."""
-    by_seq: dict[int, LogRecord] = {}
-    for rec in sorted(records, key=lambda r: r.recv_time_s):
-        by_seq.setdefault(rec.seq, rec)
-    return [by_seq[seq] for seq in sorted(by_seq)]
-
-
-def _capture_dir_records(path: Path) -> Iterator[LogRecord]:
-    files = sorted(path.glob("*.kvcap"))
-    if not files:
-        raise EventLogError(f"{path} holds no .kvcap files")
-    per_worker: dict[str, list[LogRecord]] = {}
-    for file in files:
-        per_worker.setdefault(kvcap_worker(file), []).extend(_kvcap_log_records(file))
-    streams = [_merged_worker(recs) for _, recs in sorted(per_worker.items())]
-    # Interleave workers by receive time; heapq.merge keeps each worker's seq order.
-    yield from heapq.merge(*streams, key=lambda r: r.recv_time_s)
-
-
 def open_event_source(path: str | os.PathLike[str]) -> Iterator[LogRecord]:
     """Yield :class:`LogRecord` s from our log, a ``.kvcap`` file or a capture directory.
 
@@ -553,12 +423,12 @@ def open_event_source(path: str | os.PathLike[str]) -> Iterator[LogRecord]:
     """
     p = Path(path)
     if p.is_dir():
-        yield from _capture_dir_records(p)
+        yield from capture_dir_records(p)
         return
     with open(p, "rb") as f:
         magic = f.read(8)
     if magic == KVCAP_MAGIC:
-        yield from _kvcap_log_records(p)
+        yield from kvcap_log_records(p)
     elif magic == LOG_MAGIC:
         with EventLogReader(p) as reader:
             yield from reader.records()

@@ -47,7 +47,6 @@ import msgspec
 import zmq
 
 from tokenspeed_router.errors import ConfigError, PublishError, QueueFullError
-from tokenspeed_router.events._ratelimit import RateLimitedLog
 from tokenspeed_router.events.codec import WireFormat, encode_batch
 from tokenspeed_router.events.curve import CurveServerKeys
 from tokenspeed_router.events.frames import (
@@ -59,6 +58,7 @@ from tokenspeed_router.events.frames import (
     offset_endpoint_port,
 )
 from tokenspeed_router.events.schema import Event, KVEventBatch
+from tokenspeed_router.ratelimit import RateLimitedLog
 
 __all__ = ["PublisherStatistics", "QueueFullPolicy", "ReplaySource", "ZmqEventPublisher"]
 

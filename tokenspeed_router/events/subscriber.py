@@ -26,7 +26,8 @@ recognised by its bytes and dropped). Seqs that neither the replay nor the
 live stream supplied are lost only if the live stream has already passed
 them; a ring that ran ahead of a lagging SUB socket is not a loss, the live
 stream still brings those batches. That merge is one pure function
-(``_merge_replay``: replayed and held messages in, deliveries and losses out);
+(``replay_merge.merge_replay``: replayed and held messages in, deliveries and
+losses out);
 why a replay was asked for (:class:`ReplayPurpose`) decides only how its
 first hole and an empty answer are read.
 Both reply framings are accepted: vLLM/SGLang ``[b"", topic, seq, payload]``
@@ -73,19 +74,16 @@ delivered.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
-from typing import Final
 
 import zmq
 
 from tokenspeed_router.errors import WireError
-from tokenspeed_router.events._ratelimit import RateLimitedLog
 from tokenspeed_router.events.codec import BatchDecoder
 from tokenspeed_router.events.curve import CurveClientKeys
 from tokenspeed_router.events.frames import (
@@ -95,8 +93,18 @@ from tokenspeed_router.events.frames import (
     encode_seq,
     ipv6_endpoint,
 )
+from tokenspeed_router.events.replay_merge import (
+    RESYNC_NO_REPLAY,
+    RESYNC_REPLAY_INCOMPLETE,
+    RESYNC_REPLAY_TIMEOUT,
+    RESYNC_RING_EXHAUSTED,
+    Message,
+    ReplayPurpose,
+    merge_replay,
+)
 from tokenspeed_router.events.schema import KVEventBatch
 from tokenspeed_router.events.sequencing import SequenceTracker, VerdictKind
+from tokenspeed_router.ratelimit import RateLimitedLog
 
 __all__ = [
     "RESYNC_NO_REPLAY",
@@ -107,18 +115,11 @@ __all__ = [
     "EventSubscriber",
     "PublisherRestarted",
     "ResyncNeeded",
-    "SubscriberGroup",
     "SubscriberItem",
     "SubscriberStatistics",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Reasons carried by :class:`ResyncNeeded`.
-RESYNC_REPLAY_TIMEOUT: Final = "replay_timeout"
-RESYNC_RING_EXHAUSTED: Final = "replay_ring_exhausted"
-RESYNC_REPLAY_INCOMPLETE: Final = "replay_incomplete"
-RESYNC_NO_REPLAY: Final = "no_replay_endpoint"
 
 #: Messages handled per process_ready() call: bounds the memory held by one
 #: returned list (decoded batches are large) and keeps a group's polling fair.
@@ -208,129 +209,12 @@ class SubscriberStatistics:
 
 
 @dataclass(slots=True)
-class _Message:
-    seq: int
-    payload: bytes
-    batch: KVEventBatch
-    topic: bytes
-    recv_time_s: float
-    replayed: bool
-
-
-class ReplayPurpose(enum.Enum):
-    """Why a replay was asked for: decides how its answer is merged."""
-
-    JOIN = "join"
-    """First contact: fetch what the publisher holds (or the first live seq was not 0)."""
-    RESUME = "resume"
-    """The caller asked to start at ``start_seq``."""
-    GAP = "gap"
-    """A live seq skipped ahead of the expected one."""
-    RESTART = "restart"
-    """A restarted publisher's first message seen was not seq 0."""
-    VERIFY = "verify"
-    """The connection came back: same publisher process or a new one?"""
-
-
-@dataclass(slots=True)
 class _Replay:
     start_seq: int
     purpose: ReplayPurpose
     target_seq: int | None  # the live seq that triggered it (held, merged at the end)
     deadline: float  # time.monotonic()
-    items: list[_Message]
-
-
-@dataclass(frozen=True, slots=True)
-class _Loss:
-    """Seqs ``[expected, got)`` neither the replay nor the live stream supplied.
-
-    ``reason`` None: history before a fresh subscription, not a loss to report.
-    """
-
-    expected: int
-    got: int
-    reason: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class _MergePlan:
-    """What to do with a finished replay: deliver/skip ``steps`` in order."""
-
-    steps: list[_Message | _Loss]
-    held_consumed: int
-    """Leading held live messages merged (the caller drops them)."""
-    duplicates: int
-    """Of those, how many the replay also brought."""
-
-
-def _merge_replay(
-    start: int,
-    replayed: Sequence[_Message],
-    held: Sequence[_Message],
-    *,
-    fresh: bool,
-    failure: str | None,
-) -> _MergePlan:
-    """Merge a replay answer with the live messages held meanwhile (pure).
-
-    Replayed seqs >= ``start`` come first; held live messages are merged while
-    their seqs keep increasing (a drop is a restart during the replay, left to
-    the live path). A seq in both is delivered once. Walking the merged seqs in
-    order from ``start``, each hole becomes a :class:`_Loss`, except that a
-    hole past the newest live seq stops the walk: the ring ran ahead of a
-    lagging SUB socket and those seqs will still arrive live; and a hole past
-    the answer's last seq also stops it, leaving the held messages from there
-    on to the live path: those seqs were published after the answer was made
-    and lost live, so the ring can still supply them (a new gap, a new replay;
-    found by ``benchmarks/faults.py`` at 10 % frame loss, where treating them
-    as lost cascaded into resyncs). ``fresh`` (the very first connection)
-    turns the first hole into history, not a loss.
-    """
-    merged: dict[int, _Message] = {}
-    for message in replayed:
-        if message.seq >= start:
-            merged.setdefault(message.seq, message)
-    previous = start - 1
-    newest_live: int | None = None
-    consumed = duplicates = 0
-    for message in held:
-        if message.seq <= previous:
-            break
-        consumed += 1
-        previous = newest_live = message.seq
-        if message.seq in merged:
-            duplicates += 1
-        else:
-            merged[message.seq] = message
-    first_replayed = replayed[0].seq if replayed else None
-    last_replayed = replayed[-1].seq if replayed else None
-    steps: list[_Message | _Loss] = []
-    expected = start
-    for seq in sorted(merged):
-        if seq > expected:
-            if newest_live is not None and expected > newest_live:
-                break
-            if failure is None and last_replayed is not None and expected > last_replayed >= start:
-                # The answer ended (the ring's newest seq when it was served) before
-                # this hole: those seqs were published after it and lost live. The
-                # ring still has them: stop here and let the live path ask again.
-                kept = [m for m in held[:consumed] if m.seq < expected]
-                duplicates = sum(1 for m in kept if m.seq <= last_replayed)
-                return _MergePlan(steps, len(kept), duplicates)
-            steps.append(_Loss(expected, seq, None if fresh else _loss_reason(seq, first_replayed, failure)))
-        fresh = False
-        steps.append(merged[seq])
-        expected = seq + 1
-    return _MergePlan(steps, consumed, duplicates)
-
-
-def _loss_reason(seq: int, first_replayed: int | None, failure: str | None) -> str:
-    if failure is not None:
-        return failure
-    if first_replayed is None or seq <= first_replayed:
-        return RESYNC_RING_EXHAUSTED
-    return RESYNC_REPLAY_INCOMPLETE
+    items: list[Message]
 
 
 class EventSubscriber:
@@ -390,7 +274,7 @@ class EventSubscriber:
         self._joined = start_seq is not None
         self._started = False
         self._replay: _Replay | None = None
-        self._held: deque[_Message] = deque()
+        self._held: deque[Message] = deque()
         self._limiter = RateLimitedLog(logger, _LOG_INTERVAL_S)
         self._closed = False
         self._verify_pending = False
@@ -581,7 +465,7 @@ class EventSubscriber:
             self._worker, reason, *args,
         )
 
-    def _parse_live(self, frames: list[bytes]) -> _Message | None:
+    def _parse_live(self, frames: list[bytes]) -> Message | None:
         now = time.time()
         self._received += 1
         self._last_recv_time_s = now
@@ -595,7 +479,7 @@ class EventSubscriber:
 
     def _check(
         self, topic: bytes, seq_frame: bytes, payload: bytes, now: float, *, replayed: bool
-    ) -> _Message | None:
+    ) -> Message | None:
         if self._topic and topic != self._topic:
             self._malformed_frame("topic", "expected topic %r, got %r", self._topic, topic[:64])
             return None
@@ -615,9 +499,9 @@ class EventSubscriber:
         except WireError as err:
             self._malformed_frame("payload_decode", "%s", err)
             return None
-        return _Message(decode_seq(seq_frame), payload, batch, topic, now, replayed)
+        return Message(decode_seq(seq_frame), payload, batch, topic, now, replayed)
 
-    def _parse_replay(self, frames: list[bytes]) -> _Message | bool:
+    def _parse_replay(self, frames: list[bytes]) -> Message | bool:
         """A replayed message, True for the end marker, False for a skipped frame."""
         if len(frames) == 4 and frames[0] == b"":  # vLLM / SGLang / ours
             topic, seq_frame, payload = frames[1], frames[2], frames[3]
@@ -643,7 +527,7 @@ class EventSubscriber:
         while self._replay is None and self._held:
             self._on_live(self._held.popleft(), out)
 
-    def _on_live(self, message: _Message, out: list[SubscriberItem]) -> None:
+    def _on_live(self, message: Message, out: list[SubscriberItem]) -> None:
         if not self._joined:
             self._on_first_live(message, out)
             return
@@ -660,7 +544,7 @@ class EventSubscriber:
         else:  # RESTART
             self._on_restart(message, verdict.last, verdict.expected, out)
 
-    def _on_first_live(self, message: _Message, out: list[SubscriberItem]) -> None:
+    def _on_first_live(self, message: Message, out: list[SubscriberItem]) -> None:
         """The first message of a stream not joined yet (no catch-up replay answered)."""
         self._joined = True
         if message.seq == 0:
@@ -677,7 +561,7 @@ class EventSubscriber:
             self._deliver(message, out)
 
     def _replay_or_resync(
-        self, message: _Message, expected: int, purpose: ReplayPurpose, out: list[SubscriberItem]
+        self, message: Message, expected: int, purpose: ReplayPurpose, out: list[SubscriberItem]
     ) -> None:
         """Seqs ``[expected, message.seq)`` are missing: replay them (holding
         ``message``), or without a replay endpoint report them lost and go on."""
@@ -691,7 +575,7 @@ class EventSubscriber:
 
     def _on_restart(
         self,
-        message: _Message,
+        message: Message,
         last: int | None,
         expected: int | None,
         out: list[SubscriberItem],
@@ -710,7 +594,7 @@ class EventSubscriber:
         else:
             self._replay_or_resync(message, 0, ReplayPurpose.RESTART, out)
 
-    def _deliver(self, message: _Message, out: list[SubscriberItem]) -> None:
+    def _deliver(self, message: Message, out: list[SubscriberItem]) -> None:
         # Every delivered batch (live or replayed) is remembered by fingerprint:
         # a later copy of it (a live message that also came through replay) is a
         # duplicate, while different bytes under a seq already delivered can only
@@ -805,7 +689,7 @@ class EventSubscriber:
             if parsed is True:
                 self._finish_replay(out, None)
                 return
-            if isinstance(parsed, _Message):
+            if isinstance(parsed, Message):
                 replay.items.append(parsed)
         if time.monotonic() >= replay.deadline:
             self._replay_timeouts += 1
@@ -824,7 +708,7 @@ class EventSubscriber:
         self._replay = None
         if replay.purpose is ReplayPurpose.VERIFY and not self._verified_restart(replay, failure, out):
             return  # same process (or nothing to tell): held messages go the live way
-        plan = _merge_replay(
+        plan = merge_replay(
             replay.start_seq, replay.items, self._held,
             fresh=replay.purpose is ReplayPurpose.JOIN,  # very first connection: old history is no loss
             failure=failure,
@@ -839,7 +723,7 @@ class EventSubscriber:
             return
         self._tracker.jump_to(replay.start_seq)
         for step in plan.steps:
-            if isinstance(step, _Message):
+            if isinstance(step, Message):
                 self._deliver(step, out)
                 continue
             if step.reason is None:
@@ -877,107 +761,3 @@ class EventSubscriber:
         out.append(PublisherRestarted(self._worker, last, first_seq, epoch))
         tracker.jump_to(0)
         return True
-
-
-class SubscriberGroup:
-    """Poll many subscribers at once (one zmq poller over all their sockets).
-
-    The server's ingestion thread polls its streams through one group (with
-    its connection monitors as extra ``watch`` sockets, see :meth:`poll_with`).
-
-    Items of one worker keep their order; items of different workers are
-    interleaved in the order their sockets were found ready.
-    """
-
-    def __init__(self, subscribers: Iterable[EventSubscriber] = ()) -> None:
-        self._subs: dict[str, EventSubscriber] = {}
-        for sub in subscribers:
-            self.add(sub)
-
-    def add(self, subscriber: EventSubscriber) -> None:
-        if subscriber.worker in self._subs:
-            raise ValueError(f"duplicate worker {subscriber.worker!r} in SubscriberGroup")
-        self._subs[subscriber.worker] = subscriber
-
-    def remove(self, worker: str) -> EventSubscriber:
-        """Take a subscriber out of the group (the caller closes it)."""
-        return self._subs.pop(worker)
-
-    def get(self, worker: str) -> EventSubscriber | None:
-        return self._subs.get(worker)
-
-    @property
-    def workers(self) -> list[str]:
-        return list(self._subs)
-
-    def __iter__(self) -> Iterator[EventSubscriber]:
-        return iter(list(self._subs.values()))
-
-    def __len__(self) -> int:
-        return len(self._subs)
-
-    def poll(self, timeout_s: float) -> list[SubscriberItem]:
-        """Wait up to ``timeout_s`` for any subscriber, then return all ready items."""
-        return self.poll_with(timeout_s)[0]
-
-    def poll_with(
-        self,
-        timeout_s: float,
-        watch: Sequence[zmq.Socket[bytes]] = (),
-        on_error: Callable[[EventSubscriber], None] | None = None,
-    ) -> tuple[list[SubscriberItem], list[zmq.Socket[bytes]]]:
-        """:meth:`poll`, also watching the caller's own ``watch`` sockets (the
-        server's connection monitors): returns the items and the watched sockets
-        found readable. With ``on_error``, a subscriber whose
-        :meth:`EventSubscriber.process_ready` raises is reported (called inside
-        the ``except`` block) and the others go on; without it the error
-        propagates.
-        """
-        out: list[SubscriberItem] = []
-        subs = list(self._subs.values())
-        for sub in subs:
-            if sub.needs_processing():
-                self._process(sub, out, on_error)
-        if out:
-            return out, []
-        poller = zmq.Poller()
-        owners: dict[zmq.Socket[bytes], EventSubscriber] = {}
-        wait_s = timeout_s
-        for sub in subs:
-            for sock in sub.poll_sockets():
-                poller.register(sock, zmq.POLLIN)
-                owners[sock] = sub
-            hint = sub.timeout_hint_s()
-            if hint is not None:
-                wait_s = min(wait_s, hint)
-        for sock in watch:
-            poller.register(sock, zmq.POLLIN)
-        ready_socks = [sock for sock, _ in poller.poll(max(0, int(wait_s * 1000)))]
-        ready = {owners[sock] for sock in ready_socks if sock in owners}
-        for sub in subs:
-            if sub in ready or sub.needs_processing():
-                self._process(sub, out, on_error)
-        return out, [sock for sock in ready_socks if sock not in owners]
-
-    @staticmethod
-    def _process(
-        sub: EventSubscriber,
-        out: list[SubscriberItem],
-        on_error: Callable[[EventSubscriber], None] | None,
-    ) -> None:
-        if on_error is None:
-            out.extend(sub.process_ready())
-            return
-        try:
-            out.extend(sub.process_ready())
-        except Exception:
-            on_error(sub)
-
-    def statistics(self) -> dict[str, SubscriberStatistics]:
-        return {worker: sub.statistics() for worker, sub in self._subs.items()}
-
-    def close(self) -> None:
-        """Close every subscriber in the group."""
-        for sub in self._subs.values():
-            sub.close()
-        self._subs.clear()

@@ -24,6 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.routing import Route
 
+from tokenspeed_router.asgi import Receive, Scope, Send, read_body, send_response
+from tokenspeed_router.auth import check_bearer
 from tokenspeed_router.errors import RouterApiError
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.gateway.openai import (
@@ -36,25 +38,17 @@ from tokenspeed_router.gateway.proxy import Proxy
 from tokenspeed_router.gateway.tokenize import load_tokenizer
 from tokenspeed_router.gateway.truth import TruthCollector, TruthLoop
 from tokenspeed_router.gateway.upstream import Upstreams
-from tokenspeed_router.server.api import check_bearer
 
 __all__ = ["Gateway"]
 
 logger = logging.getLogger(__name__)
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-ReadBody = Callable[[Receive, "bytes | None", int], Awaitable[bytes]]
-
-
 class Gateway:
     """The OpenAI-compatible front of one :class:`RouterService`."""
 
-    def __init__(self, service: Any, config: GatewayConfig, read_body: ReadBody) -> None:
+    def __init__(self, service: Any, config: GatewayConfig) -> None:
         self._service = service
         self.config = config
-        self._read_body = read_body
         self.upstreams = Upstreams(service, config)
         self.truth = TruthLoop(config.truth_window, service.set_distrusted)
         self.proxy = Proxy(service, config, self.upstreams, load_tokenizer(config.tokenizer, self.upstreams.client),
@@ -160,7 +154,7 @@ class Gateway:
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         try:
-            return await self._read_body(receive, length, self._max_body)
+            return await read_body(receive, length, self._max_body)
         except RouterApiError as err:
             raise OpenAIError(err.status, err.message, code="invalid_body") from None
 
@@ -258,10 +252,7 @@ async def _wait_disconnect(receive: Receive) -> None:
 async def _send_json(send: Send, status: int, obj: Any, body: bytes | None = None) -> None:
     import msgspec
 
-    data = body if body is not None else msgspec.json.encode(obj)
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
-    await send({"type": "http.response.body", "body": data})
+    await send_response(send, status, body if body is not None else msgspec.json.encode(obj))
 
 
 class _Asgi:
@@ -275,10 +266,7 @@ class _Asgi:
             await self._handler(scope, receive, send)
         except OpenAIError as err:
             extra = [(b"www-authenticate", b"Bearer")] if err.status == 401 else []
-            body = err.body()
-            await send({"type": "http.response.start", "status": err.status, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]})
-            await send({"type": "http.response.body", "body": body})
+            await send_response(send, err.status, err.body(), headers=extra)
         except Exception:
             logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             await _send_json(send, 500, None, OpenAIError(500, "internal error (logged by the router)").body())

@@ -24,14 +24,14 @@ import asyncio
 import itertools
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import msgspec
 
-from tokenspeed_router.errors import NoWorkerAvailableError, TokenspeedError
+from tokenspeed_router.asgi import Send, send_response
+from tokenspeed_router.errors import NoWorkerAvailableError, TokenspeedError, api_error
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.gateway.openai import OpenAIError, ParsedRequest
 from tokenspeed_router.gateway.sse import SseRelay, sse_error_event
@@ -39,13 +39,10 @@ from tokenspeed_router.gateway.tokenize import PromptTokenizer, TokenizeError
 from tokenspeed_router.gateway.truth import TruthLoop, TruthSample, cap_prediction
 from tokenspeed_router.gateway.upstream import Target, Upstreams, is_timeout, is_unreachable
 from tokenspeed_router.router.decision import RouteDecision
-from tokenspeed_router.server.api import api_error
 
 __all__ = ["GatewayStats", "Proxy"]
 
 logger = logging.getLogger(__name__)
-
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
@@ -248,7 +245,7 @@ class Proxy:
         resp.release()
         if resp.status != 200:
             self.stats.count(site.stream, f"http_{resp.status}")
-            await _reply(send, resp.status, content, _content_type(resp), [
+            await send_response(send, resp.status, content, _content_type(resp), [
                 (b"x-tokenspeed-worker", site.stream.encode()),
                 (b"x-tokenspeed-prefill-worker", site.stream.encode())])
             return
@@ -297,7 +294,7 @@ class Proxy:
                 if resp.status == 200 and observe:
                     self._learn_json(target.stream, plan, tokens, content)
                 self.stats.count(target.stream, "ok" if resp.status == 200 else f"http_{resp.status}")
-                await _reply(send, resp.status, content, _content_type(resp), worker_headers)
+                await send_response(send, resp.status, content, _content_type(resp), worker_headers)
                 return
             done = await self._relay(resp, target, plan, tokens, send, worker_headers, strip=strip,
                                      observe=observe)
@@ -417,10 +414,3 @@ def _with_usage(raw: bytes, body: dict[str, Any]) -> bytes | None:
 
 def _content_type(resp: aiohttp.ClientResponse) -> bytes:
     return resp.headers.get("Content-Type", "application/json").encode("latin-1")
-
-
-async def _reply(send: Send, status: int, body: bytes, content_type: bytes,
-                 headers: list[tuple[bytes, bytes]]) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", content_type), (b"content-length", str(len(body)).encode()), *headers]})
-    await send({"type": "http.response.body", "body": body})

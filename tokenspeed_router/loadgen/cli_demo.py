@@ -1,6 +1,6 @@
 """``tokenspeed-router demo``: the serving path end to end, against the baselines.
 
-Zero configuration, about a minute. For each routing policy in turn, on a
+Zero configuration, about two minutes. For each routing policy in turn, on a
 fresh fleet (cold caches for everyone):
 
 1. N ``engine-sim`` processes (real PrefixCaches, real KV events on
@@ -183,16 +183,11 @@ def run_policies(policies: Sequence[str], setup: DemoSetup, *, log_dir: Path,
 
 
 def _run_sim(args: argparse.Namespace) -> int:
-    from tokenspeed_router.sim import cli_demo as sim_demo
+    from tokenspeed_router.sim.demo import LIVE_TIME_SCALE, run_demo
 
-    sim_parser = argparse.ArgumentParser()
-    sim_demo.add_arguments(sim_parser)
-    sim_args = sim_parser.parse_args([])
-    sim_args.out, sim_args.requests, sim_args.fast_only = args.out, args.requests, args.fast_only
-    sim_args.seed, sim_args.rate_scale, sim_args.workers = args.seed, args.rate_scale, args.workers
-    if args.time_scale is not None:
-        sim_args.time_scale = args.time_scale
-    return int(sim_demo.run(sim_args) or 0)
+    return run_demo(out=args.out, workers=args.workers, max_requests=args.requests,
+                    rate_scale=args.rate_scale, seed=args.seed, fast_only=args.fast_only,
+                    time_scale=LIVE_TIME_SCALE if args.time_scale is None else args.time_scale)
 
 
 def run(args: argparse.Namespace) -> int:

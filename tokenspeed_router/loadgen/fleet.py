@@ -33,8 +33,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.errors import TokenspeedError
-from tokenspeed_router.sim.live import free_loopback_port
 
 __all__ = [
     "EngineHandle",
@@ -43,7 +43,6 @@ __all__ = [
     "Fleet",
     "ManagedProcess",
     "clock_scaled_router_flags",
-    "free_loopback_port",
     "stop_process",
 ]
 
@@ -289,7 +288,7 @@ class Fleet:
     def start_gateway(self, name: str, engines: Sequence[EngineHandle], *, policy: str,
                       extra: Sequence[str] = ()) -> str:
         """A ``serve`` gateway in front of ``engines``; returns its base URL once it serves."""
-        port = free_loopback_port()
+        port = free_tcp_port()
         cmd = self._cli("serve", "--http", f"127.0.0.1:{port}", "--policy", policy)
         for e in engines:
             cmd += ["--worker", e.worker_spec()]

@@ -53,11 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tokenspeed_router.endpoints import parse_endpoint, parse_host_port
     from tokenspeed_router.errors import ConfigError
     from tokenspeed_router.events.curve import generate_key_files
+    from tokenspeed_router.process import shutdown_signals
     from tokenspeed_router.relay.relay import EventRelay, RelayConfig
-    from tokenspeed_router.server.cli_serve import shutdown_signals
-    from tokenspeed_router.server.config import parse_endpoint, parse_host_port
 
     if args.gen_keys:
         public, secret = generate_key_files(args.gen_keys, args.key_name)
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _loopback_only(*endpoints: str) -> bool:
-    from tokenspeed_router.server.config import is_loopback_host
+    from tokenspeed_router.endpoints import is_loopback_host
 
     for endpoint in endpoints:
         if endpoint.startswith(("ipc://", "inproc://")):

@@ -51,7 +51,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -227,11 +227,6 @@ class IndexIngestor:
             )
         else:
             raise TypeError(f"not a subscriber item: {type(item).__name__}")
-
-    def on_items(self, items: Iterable[SubscriberItem]) -> None:
-        """``on_item`` for each item, in order."""
-        for item in items:
-            self.on_item(item)
 
     def on_record(
         self,

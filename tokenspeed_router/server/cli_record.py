@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-from tokenspeed_router.server.cli_serve import shutdown_signals
+from tokenspeed_router.process import shutdown_signals
 from tokenspeed_router.server.config import check_output_path, load_server_config
 
 __all__ = ["add_arguments", "run"]

@@ -35,12 +35,9 @@ import msgspec
 from tokenspeed_router.errors import ConfigError, EventLogError, WireError
 from tokenspeed_router.events.codec import BatchDecoder
 from tokenspeed_router.events.log import LOG_MAGIC, EventLogReader, LogRecord, open_event_source
+from tokenspeed_router.process import shutdown_signals
 from tokenspeed_router.router.router import WorkerRole
-from tokenspeed_router.server.cli_serve import (
-    add_listener_arguments,
-    config_from_args,
-    shutdown_signals,
-)
+from tokenspeed_router.server.cli_serve import add_listener_arguments, config_from_args
 
 __all__ = ["EventSource", "ReplayStats", "add_arguments", "answer_queries", "replay_into", "run", "warn_truncated"]
 

@@ -13,15 +13,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.gateway.config import GatewayConfig
+from tokenspeed_router.process import shutdown_signals
 from tokenspeed_router.server.config import ServerConfig, load_server_config
 
 __all__ = ["add_arguments", "add_gateway_arguments", "add_listener_arguments", "config_from_args", "run"]
@@ -144,25 +143,6 @@ def resolve_state_sink(url: str) -> Callable[[Any], Any]:
             raise ConfigError(f"--state {url}: {err}") from err
 
     return create
-
-
-@contextmanager
-def shutdown_signals(on_signal: Callable[[], None]) -> Iterator[None]:
-    """Route SIGTERM/SIGINT to ``on_signal`` (main thread only) and restore afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        logger.info("received %s: shutting down", signal.Signals(signum).name)
-        on_signal()
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def run(args: argparse.Namespace) -> int:

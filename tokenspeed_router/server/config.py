@@ -33,16 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenspeed_router.errors import ConfigError
-from tokenspeed_router.gateway.config import GatewayConfig
-from tokenspeed_router.router.router import RouterConfig
-from tokenspeed_router.server.endpoints import (
+from tokenspeed_router.endpoints import (
     HostPort,
     endpoint_with_port_offset,
     is_loopback_host,
     parse_endpoint,
     parse_host_port,
 )
+from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.gateway.config import GatewayConfig
+from tokenspeed_router.router.router import RouterConfig
 from tokenspeed_router.server.worker_spec import (
     WORKER_KEYS,
     SubscriberSpec,

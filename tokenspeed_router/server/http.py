@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -40,22 +39,25 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from tokenspeed_router.errors import ConfigError, RouterApiError, TokenspeedError
+from tokenspeed_router.asgi import JSON, Receive, Scope, Send, read_body, send_response
+from tokenspeed_router.auth import check_bearer
+from tokenspeed_router.endpoints import HostPort, bind_socket, is_loopback_host
+from tokenspeed_router.errors import ConfigError, TokenspeedError
+from tokenspeed_router.gateway.app import Gateway
 from tokenspeed_router.server.api import (
     MatchRequest,
     ReleaseRequest,
     RouteRequest,
     api_error,
-    check_bearer,
     decode_json,
     request_id_text,
     validate_request,
 )
 from tokenspeed_router.server.app import RouterService
-from tokenspeed_router.server.config import HostPort, WorkerSpec, is_loopback_host
+from tokenspeed_router.server.config import WorkerSpec
 from tokenspeed_router.server.metrics import CONTENT_TYPE
 
-__all__ = ["HttpServer", "bind_socket", "create_app"]
+__all__ = ["HttpServer", "create_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +66,7 @@ _match_decoder = msgspec.json.Decoder(MatchRequest)
 _route_decoder = msgspec.json.Decoder(RouteRequest)
 _release_decoder = msgspec.json.Decoder(ReleaseRequest)
 _any_decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder()
-_JSON = b"application/json"
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 #: ``handler(scope, body) -> JSON-able result`` or a :class:`_Reply`
 Handler = Callable[[Scope, bytes], Awaitable[Any]]
 
@@ -78,19 +76,10 @@ class _Reply:
 
     __slots__ = ("body", "content_type", "status")
 
-    def __init__(self, status: int, body: bytes, content_type: bytes = _JSON) -> None:
+    def __init__(self, status: int, body: bytes, content_type: bytes = JSON) -> None:
         self.status = status
         self.body = body
         self.content_type = content_type
-
-
-async def _send(send: Send, status: int, body: bytes, content_type: bytes = _JSON,
-                extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
-    if extra:
-        headers.extend(extra)
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 class _Endpoint:
@@ -130,49 +119,23 @@ class _Endpoint:
             err = api_error(caught)
             self._service.metrics.api_errors.labels("http", str(err.status)).inc()
             extra = [(b"www-authenticate", b"Bearer")] if err.status == 401 else None
-            await _send(send, err.status, _json.encode({"error": err.message}), extra=extra)
+            await send_response(send, err.status, _json.encode({"error": err.message}), headers=extra)
             return
         except Exception:
             logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             self._service.metrics.api_errors.labels("http", "500").inc()
-            await _send(send, 500, _json.encode({"error": "internal error (logged by the router)"}))
+            await send_response(send, 500, _json.encode({"error": "internal error (logged by the router)"}))
             return
         if isinstance(result, _Reply):
-            await _send(send, result.status, result.body, result.content_type)
+            await send_response(send, result.status, result.body, result.content_type)
         else:
-            await _send(send, 200, _json.encode(result))
-
-
-async def read_body(receive: Receive, length: bytes | None, max_body: int) -> bytes:
-    """Read a request body of at most ``max_body`` bytes (``Content-Length`` checked first)."""
-    if length is not None:
-        try:
-            declared = int(length)
-        except ValueError:
-            raise RouterApiError(400, f"invalid Content-Length {length!r}") from None
-        if declared > max_body:
-            raise RouterApiError(413, f"request body of {declared} bytes exceeds the limit of {max_body}")
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise RouterApiError(400, "client disconnected before sending the body")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > max_body:
-            raise RouterApiError(413, f"request body exceeds the limit of {max_body} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            await send_response(send, 200, _json.encode(result))
 
 
 def create_app(service: RouterService) -> Starlette:
     """The Starlette application serving ``service``: DESIGN §6 routes and the §10 gateway."""
-    from tokenspeed_router.gateway.app import Gateway
-
     limits = service.config.limits
-    gateway = Gateway(service, service.config.gateway, read_body)
+    gateway = Gateway(service, service.config.gateway)
 
     async def match(scope: Scope, body: bytes) -> Any:
         req: MatchRequest = decode_json(_match_decoder, body)
@@ -249,24 +212,6 @@ def create_app(service: RouterService) -> Starlette:
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found})
     app.state.gateway = gateway  # HttpServer closes its upstream connections at shutdown
     return app
-
-
-def bind_socket(address: HostPort) -> socket.socket:
-    """Bind the listen socket ourselves so ``--http 127.0.0.1:0`` can report its port."""
-    family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
-    # proto must be IPPROTO_TCP explicitly: asyncio only sets TCP_NODELAY on accepted
-    # sockets whose proto says TCP, and without it Nagle + delayed ACKs add 40 ms to
-    # every response uvicorn writes in two parts (head, body).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((address.host, address.port))
-    except OSError as err:
-        sock.close()
-        raise ConfigError(f"cannot listen on {address}: {err}") from err
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 class _CoalescingTransport:

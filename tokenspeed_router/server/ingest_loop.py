@@ -38,10 +38,10 @@ from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.events.frames import ipv6_endpoint
 from tokenspeed_router.events.subscriber import (
     EventSubscriber,
-    SubscriberGroup,
     SubscriberItem,
     SubscriberStatistics,
 )
+from tokenspeed_router.events.subscriber_group import SubscriberGroup
 from tokenspeed_router.server.config import SubscriberSpec
 
 __all__ = ["IngestLoop", "StreamState"]

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tokenspeed_router.endpoints import endpoint_with_port_offset, parse_endpoint
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.events.curve import CurveClientKeys
 from tokenspeed_router.router.router import WorkerRole
-from tokenspeed_router.server.endpoints import endpoint_with_port_offset, parse_endpoint
 
 __all__ = ["MAX_DP_RANKS", "WORKER_KEYS", "SubscriberSpec", "WorkerSpec", "parse_workers"]
 

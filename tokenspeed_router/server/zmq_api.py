@@ -25,6 +25,8 @@ from typing import Any, cast
 import msgspec
 import zmq
 
+from tokenspeed_router.auth import check_bearer
+from tokenspeed_router.endpoints import is_loopback_host
 from tokenspeed_router.errors import ConfigError, RouterApiError, TokenspeedError
 from tokenspeed_router.server.api import (
     ZmqHealth,
@@ -37,12 +39,10 @@ from tokenspeed_router.server.api import (
     ZmqRouteRaw,
     ZmqWorkers,
     api_error,
-    check_bearer,
     request_id_text,
     validate_request,
 )
 from tokenspeed_router.server.app import RouterService
-from tokenspeed_router.server.config import is_loopback_host
 
 try:
     from tokenspeed_router._native import msgpack_tokens as _msgpack_tokens

@@ -5,7 +5,7 @@ finite pages and real KV events); only time is modelled (``cluster.py``).
 Two modes share one event loop: *fast* (virtual clock, in-process router and
 index, configurable event delay and loss) and *live* (real publishers and a
 real ``tokenspeed-router serve`` on loopback, ``live.py``). Commands:
-``tokenspeed-router simulate`` and ``tokenspeed-router demo``.
+``tokenspeed-router simulate`` and ``tokenspeed-router demo --sim`` (``demo.py``).
 """
 
 from tokenspeed_router.sim.cluster import (

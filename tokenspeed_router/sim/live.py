@@ -36,12 +36,13 @@ from typing import Any
 
 import numpy as np
 
+from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.errors import ConfigError, TokenspeedError
 from tokenspeed_router.events.schema import Event
 from tokenspeed_router.sim.cluster import RouteChoice
 from tokenspeed_router.sim.traces import TraceRequest
 
-__all__ = ["HttpRouterBackend", "LiveCluster", "RealTimePacer", "free_loopback_port"]
+__all__ = ["HttpRouterBackend", "LiveCluster", "RealTimePacer"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,15 +74,6 @@ class RealTimePacer:
             self._wait(target - now)
         else:
             self.max_lateness_s = max(self.max_lateness_s, now - target)
-
-
-def free_loopback_port() -> int:
-    """An OS-chosen free TCP port on 127.0.0.1 (for a server that needs one up front)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 10.0) -> Any:
@@ -126,7 +118,7 @@ class LiveCluster:
                 self.publishers[name] = ZmqEventPublisher(
                     "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", context=self._ctx
                 )
-            self.http_port = free_loopback_port()
+            self.http_port = free_tcp_port()
             self.base_url = f"http://127.0.0.1:{self.http_port}"
             cmd = [python, "-m", "tokenspeed_router.cli", "--log-level", "WARNING", "serve",
                    "--http", f"127.0.0.1:{self.http_port}"]

@@ -22,7 +22,7 @@ import json
 import math
 import random
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -269,16 +269,3 @@ def sample_prefix_groups(
     picked = [r for r in requests if r.hash_ids[:prefix_blocks] in chosen]
     t0 = picked[0].arrival_s if picked else 0.0
     return [replace(r, arrival_s=(r.arrival_s - t0) / speedup) for r in picked]
-
-
-def iter_jsonl(requests: Iterable[TraceRequest]) -> Iterator[str]:
-    """Write requests back in Mooncake format (used to cut shipped slices)."""
-    for r in requests:
-        yield json.dumps(
-            {
-                "timestamp": round(r.arrival_s * 1000),
-                "input_length": r.input_length,
-                "output_length": r.output_length,
-                "hash_ids": list(r.hash_ids),
-            }
-        )

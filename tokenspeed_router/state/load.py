@@ -55,7 +55,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tokenspeed_router.events._ratelimit import RateLimitedLog
+from tokenspeed_router.ratelimit import RateLimitedLog
 from tokenspeed_router.router.scoring import WorkerLoad
 from tokenspeed_router.state._client import Backoff, connect, transient_errors
 from tokenspeed_router.state.config import RedisStateConfig

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from support import REPO_ROOT
 
+from support import REPO_ROOT
 from tokenspeed_router.loadgen.fleet import stop_process
 
 

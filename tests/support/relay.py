@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
-from support import wait_until
 
+from support import wait_until
 from tokenspeed_router.cache import PrefixCache
 from tokenspeed_router.events import EventSubscriber, SubscriberItem, ZmqEventPublisher
 from tokenspeed_router.events.curve import CurveClientKeys

@@ -1,14 +1,15 @@
 """Replay Mooncake-style trace rows through the real Router, KvIndex and IndexIngestor.
 
-A deliberately small cluster model, shared by the hot-spot test and
-``benchmarks/bench_router.py``: each 512-token hash id becomes 512
-deterministic tokens, workers keep an *unbounded* prefix cache of 16-token
-blocks, prefill FIFO at ``prefill_tokens_per_s``, publish ``BlockStored`` when
-a prefill ends (the router hears the first token then) and finish after
-``output_length * tpot_s``; TTFT = queueing + own uncached prefill. Time is a
-virtual clock injected into the router and the ingestor (no sleeps). The
-simulator (``tokenspeed_router.sim``) is the full model with bounded caches
-and eviction; this one isolates the routing decision.
+A deliberately small cluster model, shared by the hot-spot test
+(``tests/unit/test_router_hotspot.py``) and ``benchmarks/bench_router.py`` (it
+lives in the package so that both import it the installed way): each 512-token
+hash id becomes 512 deterministic tokens, workers keep an *unbounded* prefix
+cache of 16-token blocks, prefill FIFO at ``prefill_tokens_per_s``, publish
+``BlockStored`` when a prefill ends (the router hears the first token then)
+and finish after ``output_length * tpot_s``; TTFT = queueing + own uncached
+prefill. Time is a virtual clock injected into the router and the ingestor (no
+sleeps). The simulator (``tokenspeed_router.sim``) is the full model with
+bounded caches and eviction; this one isolates the routing decision.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import zmq
-from support import wait_until
 
+from support import wait_until
 from tokenspeed_router.events import (
     AllBlocksCleared,
     BlockHash,
@@ -24,7 +24,8 @@ from tokenspeed_router.events import (
     KVEventBatch,
 )
 from tokenspeed_router.events.publisher import ZmqEventPublisher
-from tokenspeed_router.events.subscriber import EventSubscriber, SubscriberGroup, SubscriberItem
+from tokenspeed_router.events.subscriber import EventSubscriber, SubscriberItem
+from tokenspeed_router.events.subscriber_group import SubscriberGroup
 from tokenspeed_router.router.index import KvIndex
 from tokenspeed_router.router.ingest import IndexIngestor
 from tokenspeed_router.state import LocalIndexHost, RedisStateConfig, RedisStateReplica

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,9 +17,10 @@ from typing import Any
 
 import httpx
 import zmq
-from support import REPO_ROOT, free_tcp_port, wait_until
 
-from tokenspeed_router.events.log import read_kvcap
+from support import REPO_ROOT, wait_until
+from tokenspeed_router.endpoints import free_tcp_port
+from tokenspeed_router.events.kvcap import read_kvcap
 from tokenspeed_router.events.schema import (
     BlockHash,
     BlockRemoved,
@@ -64,22 +64,6 @@ def nonzero(scores: dict[str, int]) -> dict[str, int]:
 
 def batch(*events: Event, ts: float = 1.0) -> KVEventBatch:
     return KVEventBatch(ts, list(events))
-
-
-def two_free_ports(avoid: tuple[int, ...] = ()) -> int:
-    """A port P with P and P+1 free (for dp_ranks=2 workers on base port + rank)."""
-    for _ in range(50):
-        p = free_tcp_port()
-        if p >= 65535 or any(abs(p - a) <= 1 for a in avoid):
-            continue
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", p))
-                b.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports found")
 
 
 # --------------------------------------------------------------------------- serve subprocess

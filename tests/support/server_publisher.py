@@ -1,9 +1,9 @@
 """A worker publisher in its own process, driven line by line from stdin (server fault tests).
 
-Run: ``python tests/server_publisher.py --endpoint tcp://127.0.0.1:P [--replay tcp://...]``.
+Run from ``tests/``: ``python -m support.server_publisher --endpoint tcp://127.0.0.1:P [--replay tcp://...]``.
 Commands (one per line), each answered with ``ok <seq>`` on stdout:
 
-* ``store SEED NUM_BLOCKS`` — a root chain of NUM_BLOCKS blocks of ``server_support.tokens(SEED, ..)``
+* ``store SEED NUM_BLOCKS`` — a root chain of NUM_BLOCKS blocks of ``support.server.tokens(SEED, ..)``
 * ``extend SEED NUM_BLOCKS MORE`` — MORE blocks chained after the first NUM_BLOCKS of SEED's chain
 * ``remove SEED FIRST COUNT`` — remove blocks FIRST..FIRST+COUNT-1 of SEED's chain
 * ``clear`` — AllBlocksCleared
@@ -17,8 +17,7 @@ import argparse
 import sys
 import time
 
-from server_support import removed, stored, tokens
-
+from support.server import removed, stored, tokens
 from tokenspeed_router.events import AllBlocksCleared, Event, KVEventBatch
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 

@@ -1,20 +1,22 @@
-"""``tokenspeed-router demo``: a small live cluster against the baselines.
+"""``tokenspeed-router demo --sim``: the in-process simulation demo.
 
-Zero configuration. It starts 4 simulated workers (real PrefixCaches, real
-ZmqEventPublishers on loopback) and a real ``tokenspeed-router serve``
-subprocess subscribed to them, drives the shipped Mooncake slice
-(``sim/data/``) through ``POST /route`` / ``POST /release`` in compressed real
-time, then replays the same slice in fast mode (virtual clock, in-process
-router) for the baselines and the oracle, prints one table, and writes plots.
+The default ``demo`` runs engine-sim processes behind a real gateway
+(``loadgen/cli_demo.py``); ``--sim`` runs this one instead, with no engine
+processes: 4 simulated workers (real PrefixCaches, real ZmqEventPublishers on
+loopback) and a real ``tokenspeed-router serve`` subprocess subscribed to
+them, the shipped Mooncake slice (``sim/data/``) driven through
+``POST /route`` / ``POST /release`` in compressed real time; then the same
+slice in fast mode (virtual clock, in-process router) for the baselines and
+the oracle. It prints one table and writes plots.
 
 Timing is simulated in both modes (the cost model of ``sim/cluster.py``), so
 the live kv_aware row and the fast rows are comparable; the live row is the
-real event path end to end. ``--fast-only`` skips the live part.
+real event path end to end. ``fast_only`` (``demo --sim --fast-only``)
+skips the live part.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import tempfile
@@ -38,11 +40,11 @@ from tokenspeed_router.sim.traces import TraceRequest, TraceWindow, parse_moonca
 
 __all__ = [
     "DEMO_TRACE",
+    "LIVE_TIME_SCALE",
     "RECOMMENDED_ROUTER_OPTIONS",
-    "add_arguments",
     "demo_cluster",
     "demo_requests",
-    "run",
+    "run_demo",
     "run_live",
 ]
 
@@ -50,28 +52,14 @@ logger = logging.getLogger(__name__)
 
 #: Package data: a slice of the Mooncake synthetic trace (see data/README.md).
 DEMO_TRACE = "mooncake_synthetic_slice.jsonl"
+#: simulated seconds per wall second in the live run (``demo --sim`` without ``--time-scale``)
+LIVE_TIME_SCALE = 5.0
 _BASELINES = ("random", "round_robin", "least_loaded", "approx", "kv_aware", "oracle")
 #: RouterConfig overrides for the demo's routers: none. The shipped defaults
 #: (``prefill_weight=2.5``, ``predict_on_route_ttl_s=15``) are the settings the
 #: trace study found (docs/simulation.md, "Why the defaults"); the demo shows
 #: exactly what a user gets out of the box.
 RECOMMENDED_ROUTER_OPTIONS: dict[str, Any] = {}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Optional knobs; the defaults are the demo."""
-    parser.add_argument("--out", type=Path, default=None,
-                        help="where to write results.json and plots (default: a new temporary "
-                             "directory, tokenspeed-router-demo-* under $TMPDIR)")
-    parser.add_argument("--workers", type=int, default=4, help="simulated workers (default 4)")
-    parser.add_argument("--requests", type=int, default=None,
-                        help="use only the first N requests of the slice")
-    parser.add_argument("--rate-scale", type=float, default=8.0,
-                        help="speed-up of the slice's arrivals (default 8: ~3 req/s)")
-    parser.add_argument("--time-scale", type=float, default=5.0,
-                        help="simulated seconds per wall second in the live run (default 5)")
-    parser.add_argument("--fast-only", action="store_true", help="skip the live cluster")
-    parser.add_argument("--seed", type=int, default=0)
 
 
 def demo_requests(*, rate_scale: float = 8.0, max_requests: int | None = None) -> list[TraceRequest]:
@@ -121,29 +109,38 @@ def run_live(requests: list[TraceRequest], cluster: ClusterConfig, *, time_scale
     return result, info
 
 
-def run(args: argparse.Namespace) -> int:
-    """Entry point of ``tokenspeed-router demo``."""
-    requests = demo_requests(rate_scale=args.rate_scale, max_requests=args.requests)
+def run_demo(*, out: Path | None = None, workers: int = 4, max_requests: int | None = None,
+             rate_scale: float = 8.0, time_scale: float = LIVE_TIME_SCALE, fast_only: bool = False,
+             seed: int = 0) -> int:
+    """Run the simulation demo (``demo --sim``); 0 on success.
+
+    ``out``: where results.json and plots go (default: a new temporary
+    directory, ``tokenspeed-router-demo-*`` under ``$TMPDIR``); ``max_requests``:
+    only the first N of the slice; ``rate_scale``: speed-up of the slice's
+    arrivals (8: ~3 req/s); ``time_scale``: simulated seconds per wall second
+    in the live run.
+    """
+    requests = demo_requests(rate_scale=rate_scale, max_requests=max_requests)
     stats = trace_summary(requests)
-    if args.out is not None:
-        check_out_dir(args.out)
+    if out is not None:
+        check_out_dir(out)
     print(f"demo: {len(requests)} requests of the Mooncake synthetic trace (shipped slice), "
-          f"{stats['span_s']:.0f} s simulated, {args.workers} workers x 200k-token caches, "
+          f"{stats['span_s']:.0f} s simulated, {workers} workers x 200k-token caches, "
           f"ideal hit ratio {stats['ideal_hit_ratio']:.0%}", file=sys.stderr)
     bar = ProgressBar()
     runs: dict[str, RunResult] = {}
     modes: dict[str, str] = {}
     live_info: dict[str, Any] = {}
-    if not args.fast_only:
+    if not fast_only:
         try:
-            live_run, live_info = run_live(requests, demo_cluster(args.workers, seed=args.seed),
-                                           time_scale=args.time_scale, progress=bar)
+            live_run, live_info = run_live(requests, demo_cluster(workers, seed=seed),
+                                           time_scale=time_scale, progress=bar)
             runs["kv_aware"] = live_run
             modes["kv_aware"] = "live: serve + ZMQ events + HTTP /route"
         except (TokenspeedError, OSError) as err:
             print(f"\nlive run failed ({err}); showing fast mode only", file=sys.stderr)
     # Baselines on the same slice, virtual clock, in-process router, 10 ms event delay.
-    fast_cluster = demo_cluster(args.workers, seed=args.seed, event_delay_s=0.010)
+    fast_cluster = demo_cluster(workers, seed=seed, event_delay_s=0.010)
     fast = run_policies(_BASELINES, requests, fast_cluster, router_options=RECOMMENDED_ROUTER_OPTIONS,
                         signal_prefill_done=False, progress=bar)
     for name, result in fast.items():
@@ -151,11 +148,11 @@ def run(args: argparse.Namespace) -> int:
         runs[key] = result
         modes[key] = "fast (virtual clock)" + (", exact caches" if name == "oracle" else "")
     doc = results_document(
-        trace=DEMO_TRACE, workers=args.workers, runs=runs, trace_stats=stats,
+        trace=DEMO_TRACE, workers=workers, runs=runs, trace_stats=stats,
         config={"mode": "demo", "capacity_tokens": fast_cluster.capacity_tokens,
                 "block_size": fast_cluster.page_size,
                 "prefill_tokens_per_s": fast_cluster.cost.prefill_tokens_per_s,
-                "rate_scale": args.rate_scale, "live": live_info,
+                "rate_scale": rate_scale, "live": live_info,
                 "router_options": RECOMMENDED_ROUTER_OPTIONS},
     )
     print()
@@ -165,10 +162,10 @@ def run(args: argparse.Namespace) -> int:
               f"p99 {live_info['route_latency_p99_ms']:.1f} ms (HTTP round trip); "
               f"TTFT is simulated in every row (prefill {fast_cluster.cost.prefill_tokens_per_s:g} tok/s)")
     # Created only now, so an early failure leaves no empty folder behind.
-    out_dir = args.out or Path(tempfile.mkdtemp(prefix="tokenspeed-router-demo-"))
+    out_dir = out or Path(tempfile.mkdtemp(prefix="tokenspeed-router-demo-"))
     results = write_results(doc, out_dir)
     print(f"\nresults: {results}")
-    paths, note = try_write_plots(runs, out_dir, title=f"demo: {len(requests)} requests, {args.workers} workers")
+    paths, note = try_write_plots(runs, out_dir, title=f"demo: {len(requests)} requests, {workers} workers")
     if paths:
         print(f"plot: {paths[0]}")
     if note:

@@ -450,7 +450,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tokenspeed_router.router.bench``."""
+    """``python -m tokenspeed_router.bench.cli_bench``."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

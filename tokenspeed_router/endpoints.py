@@ -1,15 +1,18 @@
-"""ZeroMQ endpoints and TCP listen addresses: parsing and the checks made at start.
+"""ZeroMQ endpoints and TCP listen addresses: parsing, checks, listen sockets, free ports.
 
 One job: turn what an operator wrote (``tcp://host:port``, ``HOST:PORT``) into
 validated values, with a :class:`ConfigError` naming the setting when it is
 wrong, so that a typo stops ``serve`` at start instead of surfacing later
-inside ZeroMQ.
+inside ZeroMQ; and open the listen sockets those addresses name. The router,
+the gateway, the relay and the engine simulator all listen, so this module
+sits below all of them.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from dataclasses import dataclass
 
 from tokenspeed_router.errors import ConfigError
@@ -17,7 +20,9 @@ from tokenspeed_router.events.frames import offset_endpoint_port
 
 __all__ = [
     "HostPort",
+    "bind_socket",
     "endpoint_with_port_offset",
+    "free_tcp_port",
     "is_loopback_host",
     "parse_endpoint",
     "parse_host_port",
@@ -123,3 +128,57 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def bind_socket(address: HostPort) -> socket.socket:
+    """Bind the listen socket ourselves so ``--http 127.0.0.1:0`` can report its port."""
+    family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+    # proto must be IPPROTO_TCP explicitly: asyncio only sets TCP_NODELAY on accepted
+    # sockets whose proto says TCP, and without it Nagle + delayed ACKs add 40 ms to
+    # every response uvicorn writes in two parts (head, body).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((address.host, address.port))
+    except OSError as err:
+        sock.close()
+        raise ConfigError(f"cannot listen on {address}: {err}") from err
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def free_tcp_port(*, consecutive: int = 1, avoid: tuple[int, ...] = (), host: str = "127.0.0.1") -> int:
+    """An OS-chosen port P on ``host`` with P .. P+consecutive-1 free right now.
+
+    For processes that must be told a port number up front (an ``engine-sim``
+    fleet, a ``serve --zmq-events`` worker list, tests and benchmarks);
+    ``consecutive=2`` serves a ``dp_ranks=2`` worker whose rank r listens on
+    base port + r. Ports within one of ``avoid`` are skipped (ports already
+    handed out but not yet bound). The ports are free when checked; another
+    process may take one before it is bound, which is why servers that can
+    bind port 0 themselves (``serve --http 127.0.0.1:0``) should.
+    """
+    if consecutive < 1:
+        raise ValueError(f"consecutive must be at least 1, got {consecutive}")
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+            port = int(probe.getsockname()[1])
+        if port + consecutive - 1 > 65535 or any(abs(port - a) < consecutive for a in avoid):
+            continue
+        if consecutive == 1:
+            return port
+        held: list[socket.socket] = []
+        try:
+            for p in range(port, port + consecutive):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                held.append(s)
+                s.bind((host, p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {consecutive} consecutive free ports found on {host}")

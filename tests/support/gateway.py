@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from engine_sim_support import EngineSim
-from server_support import ServeProcess
+
 from support import wait_until
+from support.engine_sim import EngineSim
+from support.server import ServeProcess
 
 
 @dataclass

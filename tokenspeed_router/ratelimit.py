@@ -1,4 +1,4 @@
-"""Rate-limited warnings for hot loops.
+"""Rate-limited warnings for hot loops, shared by every package that logs per frame.
 
 A flood of bad frames from one worker must not flood the log: each key (for
 instance a worker and a reason) is logged at most once per interval, and the

@@ -1,9 +1,18 @@
-"""Helpers shared by the test suite (no sleeps: poll with a deadline)."""
+"""Helpers shared by the test suite (no sleeps: poll with a deadline).
+
+This package holds everything tests share: here the basics (``wait_until``,
+the repository and data paths, environment helpers); in submodules the
+harnesses of one part each (``support.server``: a ``serve`` subprocess and
+batch builders; ``support.gateway``, ``support.engine_sim``, ``support.relay``,
+``support.router``, ``support.state_harness``, ``support.cache_reference``;
+``support.server_publisher``, a publisher process driven from stdin). Tests
+import it as ``support`` because pytest puts ``tests/`` (the folder of the
+root ``conftest.py``) on ``sys.path``; nothing else edits the path.
+"""
 
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -12,7 +21,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 DATA_DIR = REPO_ROOT / "tests" / "data"
@@ -87,10 +96,3 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}")
         pause.wait(interval_s)
-
-
-def free_tcp_port() -> int:
-    """An OS-chosen free port on loopback (for servers that need a port number up front)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -1,4 +1,4 @@
-"""Stubs shared by the router tests (import as ``from router_support import ...``)."""
+"""Stubs shared by the router tests (import as ``from support.router import ...``)."""
 
 from __future__ import annotations
 
