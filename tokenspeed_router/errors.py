@@ -27,6 +27,7 @@ __all__ = [
     "UnknownWorkerError",
     "WireError",
     "WorkerConflictError",
+    "api_error",
 ]
 
 
@@ -107,11 +108,38 @@ class RouterApiError(TokenspeedError):
     """The router's query API refused a request (``status`` is the HTTP-style code).
 
     The one error the transports (HTTP, ZeroMQ, the gateway) render; the
-    domain errors above become one in a single place,
-    ``tokenspeed_router.server.api.api_error``. Clients raise it for an error reply.
+    domain errors above become one in a single place, :func:`api_error`
+    (here, below every part, so the gateway maps them as the server does).
+    Clients raise it for an error reply.
     """
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"{status}: {message}")
         self.status = status
         self.message = message
+
+
+#: domain error -> (HTTP status, prefix of the ``{"error": ...}`` message); first match wins
+_STATUS_OF: tuple[tuple[type[TokenspeedError], int, str], ...] = (
+    (WireError, 400, "invalid token_ids: "),  # a query's token ids could not be hashed
+    (InvalidRequestError, 400, ""),
+    (ConfigError, 400, ""),
+    (UnknownWorkerError, 404, ""),
+    (WorkerConflictError, 409, ""),
+    (ServiceNotIngestingError, 409, ""),
+    (NoWorkerAvailableError, 503, "no worker available: "),
+)
+
+
+def api_error(err: TokenspeedError) -> RouterApiError:
+    """The one mapping from domain errors to API statuses (HTTP, ZeroMQ and the gateway alike).
+
+    A :class:`RouterApiError` passes unchanged; a domain error the table does
+    not name is a 500: the service raised something no client can fix.
+    """
+    if isinstance(err, RouterApiError):
+        return err
+    for kind, status, prefix in _STATUS_OF:
+        if isinstance(err, kind):
+            return RouterApiError(status, f"{prefix}{err}")
+    return RouterApiError(500, f"internal error: {err}")

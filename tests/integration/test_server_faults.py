@@ -221,22 +221,22 @@ def test_stale_worker_is_live_again_after_its_publisher_restarts() -> None:
         for _ in range(50):  # the old incarnation gets well ahead: the new one's seqs go back
             pub.publish_events([], ts=0.0)
         pub.publish(batch(stored(old)))
-        wait_until(lambda: service.match(old)["scores"].get("w0") == 2, 10, what="old blocks visible")
+        wait_until(lambda: service.match(old).scores.get("w0") == 2, 10, what="old blocks visible")
         pub.close()
         wait_until(lambda: w0()["state"] == "stale", 10, what="stale")
         assert not w0()["connected"]
         route = service.route(old)
-        assert route["matched_blocks"] == 0  # stale scores as cold
+        assert route.matched_blocks == 0  # stale scores as cold
         pub = ZmqEventPublisher(ev, replay_endpoint=rp)
         wait_until(lambda: w0()["connected"], 10, what="reconnected")
         wait_until(lambda: pub.publish_events([], ts=0.0) >= 0 and w0()["restarts"] >= 1, 10,
                    what="restart detected")
         pub.publish(batch(stored(new), ts=2.0))
-        wait_until(lambda: service.match(new)["scores"].get("w0") == 1, 10, what="new blocks visible")
+        wait_until(lambda: service.match(new).scores.get("w0") == 1, 10, what="new blocks visible")
         info = w0()
         assert info["state"] == "live" and info["blocks"] == 1 and info["epoch"] >= 1
-        assert service.match(old)["scores"].get("w0", 0) == 0  # the old incarnation's blocks are gone
-        assert service.route(new)["worker"] == "w0"
+        assert service.match(old).scores.get("w0", 0) == 0  # the old incarnation's blocks are gone
+        assert service.route(new).worker == "w0"
     finally:
         service.stop()
         pub.close()

@@ -60,13 +60,13 @@ def test_sink_controls_ingestion_and_recording(tmp_path: Path) -> None:
         pub.publish(batch(stored(a)))  # seq 0, before anyone subscribed
         pub.wait_sent(5)
         service.start_ingestion({"w0": 0})  # resume from seq 0: replayed from the ring
-        wait_until(lambda: service.match(a)["scores"].get("w0") == 3, 10, what="replayed from start_seq")
+        wait_until(lambda: service.match(a).scores.get("w0") == 3, 10, what="replayed from start_seq")
         assert sinks[0].items and service.ingesting
         service.stop_ingestion()
         pub.publish(batch(stored(tokens(2, 1))))
         pub.wait_sent(5)
-        assert nonzero(service.match(tokens(2, 1))["scores"]) == {}  # not subscribed any more
-        assert nonzero(service.match(a)["scores"]) == {"w0": 3}  # the index is kept
+        assert nonzero(service.match(tokens(2, 1)).scores) == {}  # not subscribed any more
+        assert nonzero(service.match(a).scores) == {"w0": 3}  # the index is kept
         assert isinstance(service.recorder, RecordingSink) and service.recorder.records == 1
     finally:
         service.stop()
@@ -261,3 +261,31 @@ def test_domain_errors_map_to_api_statuses_in_one_place() -> None:
             assert conflict.value.status == 409
     finally:
         pub.close()
+
+
+def test_queries_return_typed_answers_and_raise_domain_errors() -> None:
+    """No dicts cross the seam: JSON is made by the transports; errors are domain errors."""
+    from tokenspeed_router.errors import NoWorkerAvailableError, WireError
+    from tokenspeed_router.router import MatchDetail, RouteDecision
+
+    service = RouterService(ServerConfig(http=None))
+    try:
+        with pytest.raises(NoWorkerAvailableError):
+            service.route(tokens(1, 2))
+        a = tokens(1, 3)
+        service.apply_record("w0", 0, batch(stored(a)), 1.0)
+        service.apply_record("w1", 0, batch(stored(a[:16])), 1.0)
+        m = service.match(a)
+        assert isinstance(m, MatchDetail) and m.to_dict() == {
+            "scores": {"w0": 3, "w1": 1}, "block_size": {"w0": 16, "w1": 16},
+            "tiers": {"w0": {"gpu": 3, "cpu": 0, "storage": 0}, "w1": {"gpu": 1, "cpu": 0, "storage": 0}}}
+        d = service.route(a, request_id="q", explain=True)
+        assert isinstance(d, RouteDecision) and (d.worker, d.matched_tokens, d.block_size) == ("w0", 48, 16)
+        assert d.index_match == m and d.indexed_tokens("w1") == 16  # the gateway's prediction, no second walk
+        assert d.explanation is not None and d.explanation.worker == "w0"
+        with pytest.raises(WireError):
+            service.match([-1] * 16)
+        with pytest.raises(WireError):
+            service.route([2**64] * 16)
+    finally:
+        service.stop()

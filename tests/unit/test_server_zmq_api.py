@@ -29,7 +29,7 @@ def test_operations_match_http_shapes(api: tuple[RouterService, ZmqApiServer]) -
     with ZmqRouterClient(server.endpoint, auth_token="s3cret", timeout_s=5) as client:
         assert client.health()["status"] == "ok"
         m = client.match(tokens(1, 4))
-        assert m == service.match(tokens(1, 4))
+        assert m == service.match(tokens(1, 4)).to_dict()
         assert m["scores"] == {"w0": 4}
         r = client.route(tokens(1, 4), request_id="z1")
         assert r["worker"] == "w0" and r["matched_tokens"] == 64 and r["request_id"] == "z1"

@@ -3,7 +3,8 @@
 ::
 
     parse (openai.py) -> token ids (as given, or tokenize.py)
-      -> index view of the prompt (for the truth loop) + RouterService.route()
+      -> RouterService.route(): the decision, with the index's view of the prompt
+         (for the truth loop) from the same, single index walk
       -> one leg to the chosen worker, or the two P/D legs (prefill, then decode)
       -> relay: JSON answer as is, or SSE event by event (sse.py)
       -> usage.cached_tokens -> TruthLoop.observe()
@@ -30,7 +31,7 @@ import aiohttp
 import msgspec
 
 from tokenspeed_router.asgi import Send, send_response
-from tokenspeed_router.errors import RouterApiError
+from tokenspeed_router.errors import NoWorkerAvailableError, TokenspeedError, api_error
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.gateway.http1 import ConnectFailed, Http1Response, UpstreamError
 from tokenspeed_router.gateway.openai import OpenAIError, ParsedRequest
@@ -38,6 +39,7 @@ from tokenspeed_router.gateway.sse import SseRelay, sse_error_event
 from tokenspeed_router.gateway.tokenize import PromptTokenizer, TokenizeError
 from tokenspeed_router.gateway.truth import TruthLoop, TruthSample, cap_prediction
 from tokenspeed_router.gateway.upstream import Target, Upstreams, is_timeout, is_unreachable
+from tokenspeed_router.router.decision import RouteDecision
 
 __all__ = ["GatewayStats", "Proxy"]
 
@@ -102,7 +104,9 @@ class _Plan:
     decode: Target  # where tokens are generated (== site unless remote prefill)
     remote_prefill: bool
     predicted: int  # index view of the site's prefix, in tokens (0 when unknown)
-    block_size: int
+    block_size: int  # the site's, from the index (0: it has stored nothing yet)
+    peer_block_size: int  # what the other workers use (the truth loop's unit when block_size is 0)
+    decision: RouteDecision
 
 
 class Proxy:
@@ -148,20 +152,23 @@ class Proxy:
 
     def _plan(self, tokens: list[int], request_id: str) -> _Plan:
         service = self._service
-        view: dict[str, Any] | None = None
         try:
-            if tokens:
+            decision: RouteDecision = service.route(tokens, request_id=request_id)
+            # the truth loop's prediction: the event index's view from the routing walk itself;
+            # a policy that reads no index (a baseline, approx) leaves it to one walk here
+            view = decision.index_match
+            if view is None and tokens:
                 view = service.match(tokens)
-            decision = service.route(tokens, request_id=request_id)
-        except RouterApiError as err:
-            if err.status != 503:
-                raise OpenAIError(err.status, err.message, code="invalid_value") from None
+        except NoWorkerAvailableError as err:
             down = sorted(self._up.down())
-            message = f"no worker available (down: {', '.join(down)})" if down else err.message
+            message = f"no worker available (down: {', '.join(down)})" if down else api_error(err).message
             raise OpenAIError(503, message, code="no_worker_available") from None
+        except TokenspeedError as err:
+            refused = api_error(err)
+            raise OpenAIError(refused.status, refused.message, code="invalid_value") from None
         targets = self._up.targets()
-        site_name = decision["worker"]
-        decode_name = decision["decode_worker"]
+        site_name = decision.worker
+        decode_name = decision.decode_worker
         site = targets.get(site_name)
         decode = targets.get(decode_name)
         if site is None or decode is None:
@@ -172,11 +179,13 @@ class Proxy:
                                   code="no_worker_available")
             raise OpenAIError(503, f"the router chose worker {missing!r}, which has no url to proxy to",
                               code="no_worker_available")
-        predicted, block_size = 0, 0
+        predicted, block_size, peer_block_size = 0, 0, 16
         if view is not None:
-            block_size = int(view["block_size"].get(site_name) or 0)
-            predicted = int(view["scores"].get(site_name, 0)) * block_size
-        return _Plan(request_id, site, decode, decision["prefill_worker"] is not None, predicted, block_size)
+            block_size = view.block_size.get(site_name) or 0
+            predicted = view.scores.get(site_name, 0) * block_size
+            peer_block_size = max(view.block_size.values(), default=16) or 16
+        return _Plan(request_id, site, decode, decision.prefill_worker is not None, predicted, block_size,
+                     peer_block_size, decision)
 
     # --- the request ---------------------------------------------------------------
 
@@ -374,20 +383,17 @@ class Proxy:
             return  # its index entries are known to be incomplete (stale, resyncing): no evidence
         prompt_tokens = usage.get("prompt_tokens")
         n = prompt_tokens if type(prompt_tokens) is int and prompt_tokens > 0 else len(tokens)
-        bs = plan.block_size
-        after = 0
-        if bs <= 0:
-            # the worker has published nothing we hold: judge in the block size its peers use
-            view = self._service.match(tokens)
-            bs = max(view["block_size"].values(), default=16) or 16
-            after = int(view["scores"].get(stream, 0)) * int(view["block_size"].get(stream) or bs)
+        # the worker had published nothing we held when routed: judge in the block size its peers use
+        bs = plan.block_size if plan.block_size > 0 else plan.peer_block_size
         predicted = cap_prediction(plan.predicted, n, bs)
         sample = TruthSample(predicted, reported, bs)
-        if sample.too_high() and after == 0:
-            view = self._service.match(tokens)  # did events explain it meanwhile (a sibling's blocks)?
-            after = int(view["scores"].get(stream, 0)) * int(view["block_size"].get(stream) or bs)
-        if after:
-            sample = TruthSample(predicted, reported, bs, cap_prediction(after, n, bs))
+        if sample.too_high():
+            # Did events explain it meanwhile (a sibling's blocks)? A second look, taken now,
+            # only for the rare answer that reused more than predicted.
+            view = self._service.match(tokens)
+            after = view.scores.get(stream, 0) * (view.block_size.get(stream) or bs)
+            if after:
+                sample = TruthSample(predicted, reported, bs, cap_prediction(after, n, bs))
         self._truth.observe(stream, sample)
 
 

@@ -5,13 +5,22 @@
   index and tracks each worker's lifecycle (live, resyncing, stale).
 * :class:`Router` — picks a worker, or a prefill/decode pair, per request by
   a cost that weighs uncached prefill work against load (:class:`RouterConfig`).
+* :class:`RouteDecision` — its answer: the ``POST /route`` fields plus each
+  worker's :class:`PrefixCredit` and the index's view from the one walk, and,
+  when asked, a :class:`RouteExplanation` of every :class:`CandidateCost`.
 """
 
+from tokenspeed_router.router.decision import (
+    CandidateCost,
+    CreditSource,
+    PrefixCredit,
+    RouteDecision,
+    RouteExplanation,
+)
 from tokenspeed_router.router.index import KvIndex, MatchDetail
 from tokenspeed_router.router.ingest import IndexIngestor, WorkerState, WorkerStatus
 from tokenspeed_router.router.router import (
     LoadProvider,
-    RouteDecision,
     Router,
     RouterConfig,
     RouterStatistics,
@@ -25,12 +34,16 @@ POLICY_NAMES: tuple[str, ...] = tuple(p.value for p in Policy)
 
 __all__ = [
     "POLICY_NAMES",
+    "CandidateCost",
+    "CreditSource",
     "IndexIngestor",
     "KvIndex",
     "LoadProvider",
     "MatchDetail",
     "Policy",
+    "PrefixCredit",
     "RouteDecision",
+    "RouteExplanation",
     "Router",
     "RouterConfig",
     "RouterStatistics",

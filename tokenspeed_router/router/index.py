@@ -130,6 +130,10 @@ class MatchDetail:
     tiers: dict[str, dict[str, int]]
     block_size: dict[str, int]
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, the ``POST /match`` answer (DESIGN §6)."""
+        return {"scores": self.scores, "block_size": self.block_size, "tiers": self.tiers}
+
 
 def lora_key(lora_id: int | str | None, lora_name: str | None = None) -> int | None:
     """The integer LoRA namespace of an event or query.

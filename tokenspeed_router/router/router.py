@@ -32,6 +32,11 @@ transfer are needed) and is ``None`` when the decode worker prefills locally.
 With only ``both`` workers the router never splits a request:
 ``worker == decode_worker`` and ``prefill_worker is None``.
 
+The answer is a :class:`~tokenspeed_router.router.decision.RouteDecision`:
+the ``POST /route`` fields plus each worker's credited prefix and the index's
+own view from the one walk (callers need no ``match`` of their own), and,
+with ``route(..., explain=True)``, every candidate's cost terms.
+
 One owner: a Router is not thread safe; the server calls it from one task.
 The clock and the RNG are injected; nothing here reads global state.
 Complexity per ``route``: one index match (hashing included) plus O(workers).
@@ -53,22 +58,37 @@ from typing import Any, Protocol
 
 from tokenspeed_router.errors import ConfigError, NoWorkerAvailableError
 from tokenspeed_router.hashing import ContentHash
+from tokenspeed_router.router.decision import (
+    CandidateCost,
+    CostTerms,
+    CreditSource,
+    PrefixCredit,
+    RouteDecision,
+    RouteExplanation,
+    explain_pool,
+)
 from tokenspeed_router.router.index import lora_key
 from tokenspeed_router.router.scoring import (
     ApproxPrefixStore,
     CostWeights,
+    MatchDetailLike,
     Policy,
     PrefixIndex,
     WorkerLoad,
     credited_tokens,
+    lowest_tied,
     pick_lowest,
     sample_softmax,
 )
 
 __all__ = [
+    "CandidateCost",
+    "CreditSource",
     "LoadProvider",
     "PeerLoad",
+    "PrefixCredit",
     "RouteDecision",
+    "RouteExplanation",
     "Router",
     "RouterConfig",
     "RouterStatistics",
@@ -213,41 +233,6 @@ class RouterConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class RouteDecision:
-    """The answer of ``POST /route`` (DESIGN §6).
-
-    ``worker``: where the prompt is prefilled (the decode worker itself unless
-    a remote prefill is needed). ``matched_blocks``/``matched_tokens``: the
-    prefix ``worker`` holds, in its block size. ``scores``: leading blocks each
-    routable worker holds as the router saw them, every routable worker listed
-    (0 for none; cold workers count 0; workers without events count what the
-    router remembers; baseline policies, which read no prefix, list zeros).
-    ``prefill_worker``: set only for a remote prefill; ``decode_worker``: where
-    tokens are generated.
-    """
-
-    worker: str
-    matched_blocks: int
-    matched_tokens: int
-    scores: dict[str, int]
-    prefill_worker: str | None
-    decode_worker: str
-    request_id: str
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form, keys as in DESIGN §6."""
-        return {
-            "worker": self.worker,
-            "matched_blocks": self.matched_blocks,
-            "matched_tokens": self.matched_tokens,
-            "scores": dict(self.scores),
-            "prefill_worker": self.prefill_worker,
-            "decode_worker": self.decode_worker,
-            "request_id": self.request_id,
-        }
-
-
-@dataclass(frozen=True, slots=True)
 class WorkerInfo:
     """How the router knows a worker."""
 
@@ -310,20 +295,22 @@ class _Pools:
     remembered: list[str]  # no events: scored from the approximate store
 
 
-@dataclass(slots=True)
-class _Known:
-    """Prefix knowledge of one worker for one request.
+_INDEX, _PREDICTED, _APPROX = CreditSource.INDEX, CreditSource.PREDICTED, CreditSource.APPROX
 
-    ``credit``: prompt tokens the prefix saves after tier credits.
-    """
+#: one pool of an explained decision: cost terms per candidate, choice, tied set, drawn at random
+_PoolTrace = tuple[list[CostTerms], str, frozenset[str], bool]
 
-    blocks: int
-    block_size: int
-    credit: float
 
-    @property
-    def tokens(self) -> int:
-        return self.blocks * self.block_size
+def _cost_terms(
+    pool: str, name: str, k: PrefixCredit | None, uncached: float, load: Any, peer: WorkerLoad | None, cost: float
+) -> CostTerms:
+    """The terms ``Router._choose`` just priced, with other replicas' load folded in."""
+    queue, active, requests = load.pending_prefill_tokens, load.active_tokens, load.active_requests
+    if peer is not None:
+        queue += peer.pending_prefill_tokens
+        active += peer.active_tokens
+        requests += peer.active_requests
+    return CostTerms(pool, name, k, float(uncached), queue, active, requests, cost)
 
 
 class Router:
@@ -496,8 +483,15 @@ class Router:
         request_id: str | None = None,
         lora_id: int | str | None = None,
         salt: str | bytes | None = None,
+        explain: bool = False,
     ) -> RouteDecision:
         """Choose where to prefill and decode ``token_ids`` and count it in flight.
+
+        The answer carries what callers need afterwards (per-worker credits,
+        the index's own view from this call's single walk; see
+        ``router/decision.py``), so none of them walks the index again.
+        ``explain=True`` also keeps every candidate's cost terms
+        (``RouteDecision.explanation``); off, nothing extra is recorded.
 
         Raises :class:`NoWorkerAvailableError` when no worker can take it, and
         :class:`~tokenspeed_router.errors.WireError` for token ids that cannot be
@@ -516,30 +510,35 @@ class Router:
         num_tokens = len(token_ids)
         policy = self._policy
 
-        known: dict[str, _Known] = {}
+        known: dict[str, PrefixCredit] = {}
         hashes: list[ContentHash] | None = None
+        detail: MatchDetailLike | None = None
         if policy in (Policy.KV_AWARE, Policy.APPROX):
-            known, hashes = self._knowledge(token_ids, lora_id, salt, now)
+            known, hashes, detail = self._knowledge(token_ids, lora_id, salt, now)
 
+        trace: list[_PoolTrace] | None = [] if explain else None
         pools = self._membership()
         if self._num_split_roles == 0:
-            decode = self._choose("all", pools.all, num_tokens, known)
+            decode = self._choose("all", pools.all, num_tokens, known, trace)
             prefill = None
         else:
             if not pools.decode:
                 raise NoWorkerAvailableError("no decode-capable worker (role decode or both)")
-            decode = self._choose("decode", pools.decode, num_tokens, known)
+            decode = self._choose("decode", pools.decode, num_tokens, known, trace)
             prefill = None
             uncached = num_tokens - self._tokens(known, decode)
             if uncached > self._config.local_prefill_threshold_tokens and pools.prefill:
-                prefill = self._choose("prefill", pools.prefill, num_tokens, known)
+                prefill = self._choose("prefill", pools.prefill, num_tokens, known, trace)
                 if prefill == decode:
                     prefill = None
 
         site = prefill if prefill is not None else decode
         site_known = known.get(site)
-        matched_blocks = site_known.blocks if site_known is not None else 0
-        matched_tokens = site_known.tokens if site_known is not None else 0
+        if site_known is not None:
+            matched_blocks, matched_tokens, block_size = site_known.blocks, site_known.tokens, site_known.block_size
+        else:
+            matched_blocks = matched_tokens = 0
+            block_size = detail.block_size.get(site, 0) if detail is not None else 0
         self._admit(request_id, now, num_tokens, known, decode, prefill)
         if hashes is not None:
             self._remember(hashes, (site, decode), now)
@@ -559,6 +558,9 @@ class Router:
                 decode,
                 matched_blocks,
             )
+        explanation = None
+        if trace is not None:
+            explanation = self._explanation(trace, site, decode, prefill, num_tokens, detail)
         return RouteDecision(
             worker=site,
             matched_blocks=matched_blocks,
@@ -567,6 +569,11 @@ class Router:
             prefill_worker=prefill,
             decode_worker=decode,
             request_id=request_id,
+            block_size=block_size,
+            num_tokens=num_tokens,
+            credits=known,
+            index_match=detail,
+            explanation=explanation,
         )
 
     def release(self, request_id: str) -> bool:
@@ -689,14 +696,16 @@ class Router:
 
     def _knowledge(
         self, token_ids: Any, lora_id: int | str | None, salt: str | bytes | None, now: float
-    ) -> tuple[dict[str, _Known], list[ContentHash] | None]:
-        """Matched prefix per routable worker: index, approximate store, or both."""
+    ) -> tuple[dict[str, PrefixCredit], list[ContentHash] | None, MatchDetailLike | None]:
+        """Credited prefix per routable worker (index, memory, or both), the prompt's
+        approximate-store hashes, and the index's answer (None when not asked)."""
         workers = self._workers
         weights = self._weights
         pools = self._membership()
-        known: dict[str, _Known] = {}
+        known: dict[str, PrefixCredit] = {}
         index_workers = pools.indexed
         approx_names = pools.remembered
+        detail: MatchDetailLike | None = None
         if index_workers and self._index is not None:
             detail = self._index.match_detail(token_ids, lora_id, salt)
             block_size = detail.block_size
@@ -711,7 +720,7 @@ class Router:
                     credit = float(blocks * bs)  # all on GPU: the common case
                 else:
                     credit = credited_tokens(blocks, bs, t, weights)
-                known[name] = _Known(blocks, bs, credit)
+                known[name] = PrefixCredit(blocks, bs, credit, _INDEX)
         hashes: list[ContentHash] | None = None
         predicted = self._predicted
         if approx_names or predicted is not None:
@@ -719,34 +728,47 @@ class Router:
             bs = self._approx.block_size
             if approx_names:
                 for name, blocks in self._approx.match(hashes, approx_names, now).items():
-                    known[name] = _Known(blocks, bs, float(blocks * bs))
+                    known[name] = PrefixCredit(blocks, bs, float(blocks * bs), _APPROX)
             if predicted is not None and index_workers:
                 for name, blocks in predicted.match(hashes, index_workers, now).items():
                     have = known.get(name)
                     if have is None or have.tokens < blocks * bs:
-                        known[name] = _Known(blocks, bs, float(blocks * bs))
+                        known[name] = PrefixCredit(blocks, bs, float(blocks * bs), _PREDICTED)
         for name in self._cold:
             known.pop(name, None)
-        return known, hashes
+        return known, hashes, detail
 
     @staticmethod
-    def _tokens(known: Mapping[str, _Known], name: str) -> int:
+    def _tokens(known: Mapping[str, PrefixCredit], name: str) -> int:
         k = known.get(name)
         return k.tokens if k is not None else 0
 
     def _choose(
-        self, pool: str, candidates: list[str], num_tokens: int, known: Mapping[str, _Known]
+        self,
+        pool: str,
+        candidates: list[str],
+        num_tokens: int,
+        known: Mapping[str, PrefixCredit],
+        trace: list[_PoolTrace] | None = None,
     ) -> str:
-        """Apply the policy to one pool of candidates."""
+        """Apply the policy to one pool of candidates.
+
+        ``trace`` (``explain=True``): append this pool's cost terms per
+        candidate, the choice, the tied set and whether it was drawn at random.
+        """
         policy = self._policy
-        if policy is Policy.RANDOM:
+        if policy is Policy.RANDOM or policy is Policy.ROUND_ROBIN:
             names = sorted(candidates)
-            return names[int(self._rng.random() * len(names)) % len(names)]
-        if policy is Policy.ROUND_ROBIN:
-            names = sorted(candidates)
-            cursor = self._cursors.get(pool, 0)
-            self._cursors[pool] = cursor + 1
-            return names[cursor % len(names)]
+            if policy is Policy.RANDOM:
+                choice = names[int(self._rng.random() * len(names)) % len(names)]
+            else:
+                cursor = self._cursors.get(pool, 0)
+                self._cursors[pool] = cursor + 1
+                choice = names[cursor % len(names)]
+            if trace is not None:
+                blind = [CostTerms(pool, n, None, float(num_tokens), *self._load_terms(n), None) for n in names]
+                trace.append((blind, choice, frozenset(), policy is Policy.RANDOM))
+            return choice
         # scoring.worker_cost, inlined: this loop runs for every worker on every request.
         weights = self._weights
         pw, qw = weights.prefill_weight, weights.queue_weight
@@ -757,6 +779,7 @@ class Router:
         peers = self._peer_load.peers() if self._peer_load is not None else None
         peer_requests: dict[str, int] = {}
         costs: dict[str, float] = {}
+        terms: list[CostTerms] | None = [] if trace is not None else None
         best = math.inf
         for name in candidates:
             load: Any = workers[name]
@@ -764,7 +787,7 @@ class Router:
             if external is not None:
                 load = external
             k = get_known(name)
-            uncached = num_tokens - k.credit if k is not None else num_tokens
+            uncached = num_tokens - k.credit_tokens if k is not None else num_tokens
             if uncached < 0:
                 uncached = 0
             cost = (
@@ -773,24 +796,72 @@ class Router:
                 + dw * load.active_tokens
                 + rw * load.active_requests
             )
-            if peers and external is None:
-                peer = peers.get(name)
-                if peer is not None:
-                    cost += (
-                        qw * peer.pending_prefill_tokens
-                        + dw * peer.active_tokens
-                        + rw * peer.active_requests
-                    )
-                    peer_requests[name] = peer.active_requests
+            peer = peers.get(name) if peers and external is None else None
+            if peer is not None:  # other replicas' load on it (not part of a provider's answer)
+                cost += (
+                    qw * peer.pending_prefill_tokens
+                    + dw * peer.active_tokens
+                    + rw * peer.active_requests
+                )
+                peer_requests[name] = peer.active_requests
             costs[name] = cost
             if cost < best:
                 best = cost
-        if self._config.temperature > 0.0:
-            return sample_softmax(costs, self._config.temperature, self._rng)
-        return pick_lowest(
-            costs,
-            lambda n: (workers[n].active_requests + peer_requests.get(n, 0), workers[n].last_pick),
-            best=best,
+            if terms is not None:
+                terms.append(_cost_terms(pool, name, k, uncached, load, peer, cost))
+        sampled = self._config.temperature > 0.0
+        if sampled:
+            choice = sample_softmax(costs, self._config.temperature, self._rng)
+        else:
+            choice = pick_lowest(
+                costs,
+                lambda n: (workers[n].active_requests + peer_requests.get(n, 0), workers[n].last_pick),
+                best=best,
+            )
+        if trace is not None and terms is not None:  # (both or neither)
+            trace.append((terms, choice, frozenset(lowest_tied(costs, best=best)), sampled))
+        return choice
+
+    def _load_terms(self, name: str) -> tuple[int, int, int]:
+        """(queued prefill, context tokens, requests) on ``name`` as the cost would see them."""
+        external = self._load_provider(name) if self._load_provider is not None else None
+        if external is not None:
+            return external.pending_prefill_tokens, external.active_tokens, external.active_requests
+        w = self._workers[name]
+        peers = self._peer_load.peers() if self._peer_load is not None else None
+        peer = peers.get(name) if peers else None
+        if peer is None:
+            return w.pending_prefill_tokens, w.active_tokens, w.active_requests
+        return (
+            w.pending_prefill_tokens + peer.pending_prefill_tokens,
+            w.active_tokens + peer.active_tokens,
+            w.active_requests + peer.active_requests,
+        )
+
+    def _explanation(
+        self,
+        trace: list[_PoolTrace],
+        site: str,
+        decode: str,
+        prefill: str | None,
+        num_tokens: int,
+        detail: MatchDetailLike | None,
+    ) -> RouteExplanation:
+        candidates: list[CandidateCost] = []
+        policy = self._policy.value
+        for rows, choice, tied, sampled in trace:
+            candidates += explain_pool(
+                rows, choice, tied=tied, sampled=sampled, policy=policy, cold=self._cold, index_match=detail
+            )
+        return RouteExplanation(
+            worker=site,
+            decode_worker=decode,
+            prefill_worker=prefill,
+            policy=policy,
+            num_tokens=num_tokens,
+            temperature=self._config.temperature,
+            weights=self._weights,
+            candidates=tuple(candidates),
         )
 
     def _admit(
@@ -798,7 +869,7 @@ class Router:
         request_id: str,
         now: float,
         num_tokens: int,
-        known: Mapping[str, _Known],
+        known: Mapping[str, PrefixCredit],
         decode: str,
         prefill: str | None,
     ) -> None:
@@ -807,7 +878,7 @@ class Router:
         serial = next(self._serial)
         site = prefill if prefill is not None else decode
         site_known = known.get(site)
-        credit = site_known.credit if site_known is not None else 0.0
+        credit = site_known.credit_tokens if site_known is not None else 0.0
         uncached = max(round(num_tokens - credit), 0)
         if prefill is None:
             entry.parts.append(_Part(decode, 1, uncached, num_tokens, prefill_only=False))

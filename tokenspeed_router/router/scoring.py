@@ -49,6 +49,7 @@ __all__ = [
     "PrefixIndex",
     "WorkerLoad",
     "credited_tokens",
+    "lowest_tied",
     "pick_lowest",
     "sample_softmax",
     "worker_cost",
@@ -192,15 +193,24 @@ def pick_lowest(
     instead of all landing on the first worker (sgl-project/sglang#32983). The
     worker name is the final key, so the choice is a pure function of its inputs.
     """
+    tied = lowest_tied(costs, best=best)
+    if len(tied) == 1:
+        return tied[0]
+    return min(tied, key=lambda w: (*tie_key(w), w))
+
+
+def lowest_tied(costs: Mapping[str, float], *, best: float | None = None) -> list[str]:
+    """The workers whose cost ties with the lowest (within a relative 1e-9), in ``costs`` order.
+
+    The tie rule of :func:`pick_lowest`, shared with the route explanation so
+    both say the same thing about which candidates tied.
+    """
     if not costs:
         raise ValueError("no candidates")
     if best is None:  # the caller may pass the minimum it found while computing costs
         best = min(costs.values())
     slack = 1e-9 * max(1.0, abs(best))
-    tied = [w for w, c in costs.items() if c <= best + slack]
-    if len(tied) == 1:
-        return tied[0]
-    return min(tied, key=lambda w: (*tie_key(w), w))
+    return [w for w, c in costs.items() if c <= best + slack]
 
 
 def sample_softmax(costs: Mapping[str, float], temperature: float, rng: random.Random) -> str:

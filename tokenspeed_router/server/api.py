@@ -22,17 +22,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from tokenspeed_router.errors import (
-    ConfigError,
-    InvalidRequestError,
-    NoWorkerAvailableError,
-    RouterApiError,
-    ServiceNotIngestingError,
-    TokenspeedError,
-    UnknownWorkerError,
-    WireError,
-    WorkerConflictError,
-)
+from tokenspeed_router.errors import RouterApiError, TokenspeedError, api_error
 from tokenspeed_router.server.config import ApiLimits
 
 __all__ = [
@@ -53,32 +43,6 @@ TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 #: a LoRA adapter by id (``int >= 0``, what SGLang/TokenSpeed publish) or by name
 #: (a non-empty string: vLLM publishes ``lora_name``); the index matches either
 LoraId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)] | Annotated[str, Meta(min_length=1, max_length=4096)]
-
-
-#: domain error -> (HTTP status, prefix of the ``{"error": ...}`` message); first match wins
-_STATUS_OF: tuple[tuple[type[TokenspeedError], int, str], ...] = (
-    (WireError, 400, "invalid token_ids: "),  # a query's token ids could not be hashed
-    (InvalidRequestError, 400, ""),
-    (ConfigError, 400, ""),
-    (UnknownWorkerError, 404, ""),
-    (WorkerConflictError, 409, ""),
-    (ServiceNotIngestingError, 409, ""),
-    (NoWorkerAvailableError, 503, "no worker available: "),
-)
-
-
-def api_error(err: TokenspeedError) -> RouterApiError:
-    """The one mapping from domain errors to API statuses (HTTP, ZeroMQ and the gateway alike).
-
-    A :class:`RouterApiError` passes unchanged; a domain error the table does
-    not name is a 500: the service raised something no client can fix.
-    """
-    if isinstance(err, RouterApiError):
-        return err
-    for kind, status, prefix in _STATUS_OF:
-        if isinstance(err, kind):
-            return RouterApiError(status, f"{prefix}{err}")
-    return RouterApiError(500, f"internal error: {err}")
 
 
 @contextmanager

@@ -71,7 +71,8 @@ from tokenspeed_router.errors import (
 from tokenspeed_router.events.log import EventLogWriter
 from tokenspeed_router.events.schema import KVEventBatch
 from tokenspeed_router.events.subscriber import BatchReceived, SubscriberItem
-from tokenspeed_router.router.index import KvIndex
+from tokenspeed_router.router.decision import RouteDecision
+from tokenspeed_router.router.index import KvIndex, MatchDetail
 from tokenspeed_router.router.ingest import IndexIngestor, WorkerState
 from tokenspeed_router.router.router import PeerLoad, Router, WorkerRole
 from tokenspeed_router.router.scoring import WorkerLoad
@@ -535,21 +536,24 @@ class RouterService:
 
     # --- queries ---------------------------------------------------------------------
 
-    def match(self, token_ids: list[int], lora_id: int | str | None = None, salt: str | None = None) -> dict[str, Any]:
-        """``POST /match``: per-worker leading blocks held, block sizes, per-tier detail."""
+    def match(self, token_ids: list[int], lora_id: int | str | None = None, salt: str | None = None) -> MatchDetail:
+        """``POST /match``: per-worker leading blocks held, block sizes, per-tier detail.
+
+        Typed (``MatchDetail.to_dict()`` is the JSON); raises
+        :class:`~tokenspeed_router.errors.WireError` for token ids that cannot be hashed.
+        """
         t0 = time.perf_counter()
-        with api_errors():  # bad token ids: 400
-            index = self._index
-            if index.concurrent_reads:
-                # The native core locks each query and each event itself: a
-                # match never waits behind a whole batch held under our lock.
+        index = self._index
+        if index.concurrent_reads:
+            # The native core locks each query and each event itself: a
+            # match never waits behind a whole batch held under our lock.
+            detail = index.match_detail(token_ids, lora_id=lora_id, salt=salt)
+            self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
+        else:
+            with self._lock:
                 detail = index.match_detail(token_ids, lora_id=lora_id, salt=salt)
                 self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
-            else:
-                with self._lock:
-                    detail = index.match_detail(token_ids, lora_id=lora_id, salt=salt)
-                    self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
-        return {"scores": detail.scores, "block_size": detail.block_size, "tiers": detail.tiers}
+        return detail
 
     def route(
         self,
@@ -558,15 +562,24 @@ class RouterService:
         request_id: str | None = None,
         lora_id: int | str | None = None,
         salt: str | None = None,
-    ) -> dict[str, Any]:
-        """``POST /route``: choose a worker and count the request in flight."""
+        explain: bool = False,
+    ) -> RouteDecision:
+        """``POST /route``: choose a worker and count the request in flight.
+
+        The typed decision (``to_dict()`` is the JSON) carries the index's view
+        from the one walk and per-worker credits, so the gateway needs no
+        ``match`` of its own; ``explain=True`` adds the cost breakdown. Raises
+        :class:`~tokenspeed_router.errors.NoWorkerAvailableError` (no worker
+        can take it) and :class:`~tokenspeed_router.errors.WireError` (bad
+        token ids); the transports map them to statuses (``server/api.py``).
+        """
         t0 = time.perf_counter()
-        with api_errors(), self._lock:  # no worker: 503; bad token ids: 400
-            d = self._router.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt)
+        with self._lock:
+            d = self._router.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt, explain=explain)
             q = self.metrics.queries
             q.route_latency.observe(time.perf_counter() - t0)
             q.observe_route(d.worker, d.matched_tokens, len(token_ids))
-        return d.to_dict()
+        return d
 
     def release(self, request_id: str) -> bool:
         """``POST /release``: True when the request was in flight (unknown ids are not errors)."""

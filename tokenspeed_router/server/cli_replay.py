@@ -206,8 +206,8 @@ def replay_into(
 
 def answer_queries(service: Any, lines: Iterable[str], out: IO[str]) -> int:
     """Answer each JSON line as ``POST /match`` would; bad lines get ``{"error": ...}``."""
-    from tokenspeed_router.errors import RouterApiError
-    from tokenspeed_router.server.api import MatchRequest, decode_json, validate_request
+    from tokenspeed_router.errors import TokenspeedError
+    from tokenspeed_router.server.api import MatchRequest, api_error, decode_json, validate_request
 
     decoder = msgspec.json.Decoder(MatchRequest)
     encoder = msgspec.json.Encoder()
@@ -220,9 +220,9 @@ def answer_queries(service: Any, lines: Iterable[str], out: IO[str]) -> int:
         try:
             req = decode_json(decoder, text.encode())
             validate_request(req, service.config.limits)
-            answer: dict[str, Any] = service.match(req.token_ids, lora_id=req.lora_id, salt=req.salt)
-        except RouterApiError as err:
-            answer = {"error": f"line {lineno}: {err.message}"}
+            answer: dict[str, Any] = service.match(req.token_ids, lora_id=req.lora_id, salt=req.salt).to_dict()
+        except TokenspeedError as err:
+            answer = {"error": f"line {lineno}: {api_error(err).message}"}
         out.write(encoder.encode(answer).decode() + "\n")
     out.flush()
     return n

@@ -141,13 +141,13 @@ def create_app(service: RouterService) -> Starlette:
     async def match(scope: Scope, body: bytes) -> Any:
         req: MatchRequest = decode_json(_match_decoder, body)
         validate_request(req, limits)
-        return service.match(req.token_ids, lora_id=req.lora_id, salt=req.salt)
+        return service.match(req.token_ids, lora_id=req.lora_id, salt=req.salt).to_dict()
 
     async def route(scope: Scope, body: bytes) -> Any:
         req: RouteRequest = decode_json(_route_decoder, body)
         validate_request(req, limits)
         rid = request_id_text(req.request_id, limits)
-        return service.route(req.token_ids, request_id=rid, lora_id=req.lora_id, salt=req.salt)
+        return service.route(req.token_ids, request_id=rid, lora_id=req.lora_id, salt=req.salt).to_dict()
 
     async def release(scope: Scope, body: bytes) -> Any:
         req: ReleaseRequest = decode_json(_release_decoder, body)

@@ -194,15 +194,15 @@ class ZmqApiServer:
             validate_request(req, self._limits, len(tokens))
             if isinstance(req, ZmqRouteRaw):
                 rid = request_id_text(req.request_id, self._limits)
-                return service.route(tokens, request_id=rid, lora_id=req.lora_id, salt=req.salt)
-            return service.match(tokens, lora_id=req.lora_id, salt=req.salt)
+                return service.route(tokens, request_id=rid, lora_id=req.lora_id, salt=req.salt).to_dict()
+            return service.match(tokens, lora_id=req.lora_id, salt=req.salt).to_dict()
         if isinstance(req, ZmqRoute):
             validate_request(req, self._limits)
             rid = request_id_text(req.request_id, self._limits)
-            return service.route(req.token_ids, request_id=rid, lora_id=req.lora_id, salt=req.salt)
+            return service.route(req.token_ids, request_id=rid, lora_id=req.lora_id, salt=req.salt).to_dict()
         if isinstance(req, ZmqMatch):
             validate_request(req, self._limits)
-            return service.match(req.token_ids, lora_id=req.lora_id, salt=req.salt)
+            return service.match(req.token_ids, lora_id=req.lora_id, salt=req.salt).to_dict()
         if isinstance(req, ZmqRelease):
             rid = request_id_text(req.request_id, self._limits)
             assert rid is not None
