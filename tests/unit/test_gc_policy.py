@@ -12,6 +12,7 @@ _CHILD = r"""
 import gc, json
 from tokenspeed_router.server import gc_policy, RouterService, ServerConfig
 service = RouterService(ServerConfig(http=None))
+service.metrics.add_collector(gc_policy.GcCollector())  # as HttpServer does
 gc_policy.configure(); gc_policy.configure()  # idempotent
 frozen = gc_policy.settle()
 class Node:  # cycles made after start-up are still collected

@@ -272,10 +272,6 @@ class ServiceMetrics:
         )
         self.workers = Gauge("tokenspeed_workers", "configured subscriber streams", registry=r)
         r.register(QueryCollector(self._snapshot))
-        # imported here: gc_policy itself uses LatencyHistogram from this module
-        from tokenspeed_router.server.gc_policy import GcCollector
-
-        r.register(GcCollector())  # the process's collector pauses (server/gc_policy.py)
 
     def _snapshot(self) -> QueryStats:
         with self._lock:
