@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import threading
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from wrk_output import histogram_buckets, parse_wrk
 
 from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.percentiles import percentile
@@ -50,11 +53,34 @@ from tokenspeed_router.percentiles import percentile
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 16
 CHAIN_BLOCKS = 32
+PREFIX_BLOCKS = 4  # each worker's shared system prefix
+CATCH_UP_S = 30.0  # longest wait for the router to apply a phase's backlog (else: reported unbounded)
 POOL = 256  # chains per worker in the churn cycle
 
 
 def _tokens(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i) % 150_000 + seed % 1000 * 150_000 for i in range(n)]
+
+
+def _prefix_tokens(worker: int) -> list[int]:
+    """Worker ``worker``'s shared system prefix (every request on it starts with these)."""
+    return _tokens(900_000 + worker, PREFIX_BLOCKS * BLOCK)
+
+
+def _cached_prompt(worker: int, chain: int) -> list[int]:
+    """The tokens worker ``worker`` holds for chain ``chain``: its prefix, then the chain."""
+    return _prefix_tokens(worker) + _tokens(worker * POOL + chain, CHAIN_BLOCKS * BLOCK)
+
+
+def _opaque_hashes(tokens: list[int], seed: bytes) -> list[int | bytes]:
+    """vLLM-style external block ids: low 64 bits of a SHA-256 chained over the blocks."""
+    out: list[int | bytes] = []
+    prev = seed
+    for i in range(0, len(tokens) - len(tokens) % BLOCK, BLOCK):
+        digest = hashlib.sha256(prev + repr(tokens[i:i + BLOCK]).encode()).digest()
+        out.append(int.from_bytes(digest[-8:], "big"))
+        prev = digest
+    return out
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -123,7 +149,6 @@ def _run_http(port: int, prompts: list[list[int]], conns: int, duration_s: float
 def _run_http_wrk(port: int, prompts: list[list[int]], conns: int, duration_s: float,
                   path: str = "/route") -> dict[str, Any]:
     """Saturation with wrk (C, ~10x cheaper per request than a Python client): cycles 64 bodies."""
-    import re
     import shutil
     import tempfile
 
@@ -141,18 +166,7 @@ def _run_http_wrk(port: int, prompts: list[list[int]], conns: int, duration_s: f
                           f"http://127.0.0.1:{port}"], capture_output=True, text=True, check=True).stdout
     os.unlink(script)
 
-    def ms(label: str) -> float:
-        m = re.search(rf"{label}\s+([\d.]+)(us|ms|s)\b", out)
-        if m is None:
-            return float("nan")
-        return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
-
-    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    total = re.search(r"(\d+) requests in", out)
-    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return {"requests": int(total.group(1)) if total else 0, "req_per_s": float(rps.group(1)) if rps else 0.0,
-            "p50_ms": ms("50%"), "p99_ms": ms("99%"), "errors": int(non2xx.group(1)) if non2xx else 0,
-            "conns": conns, "target_rate": 0, "client": "wrk"}
+    return {**parse_wrk(out), "conns": conns, "target_rate": 0, "client": "wrk"}
 
 
 def _run_zmq(endpoint: str, prompts: list[list[int]], window: int, duration_s: float, rate: float) -> dict[str, Any]:
@@ -163,7 +177,14 @@ def _run_zmq(endpoint: str, prompts: list[list[int]], window: int, duration_s: f
     sock.linger = 0
     sock.connect(endpoint)
     enc = msgspec.msgpack.Encoder()
-    dec = msgspec.msgpack.Decoder()
+
+    class Reply(msgspec.Struct):  # the client reads only these: skipping the result costs little
+        id: Any = None
+        status: int = 0
+
+    dec = msgspec.msgpack.Decoder(Reply)
+    # Encoded once: request k carries id k, and k is never reused while in flight (window < prompts),
+    # so the client spends a send and a small decode per request, not an encode of 1k token ids.
     payloads = [enc.encode({"op": "route", "id": i, "token_ids": p}) for i, p in enumerate(prompts)]
     sent: dict[int, float] = {}
     lat: list[float] = []
@@ -181,9 +202,11 @@ def _run_zmq(endpoint: str, prompts: list[list[int]], window: int, duration_s: f
             break
         while now < stop_at and len(sent) < window and (not interval or now >= next_t):
             k = i % len(payloads)
-            rid = i
-            sock.send(payloads[k] if rid == k else enc.encode({"op": "route", "id": rid, "token_ids": prompts[k]}))
-            sent[rid] = time.perf_counter()
+            if k in sent:  # still in flight from the previous cycle: take the next one
+                i += 1
+                continue
+            sock.send(payloads[k])
+            sent[k] = time.perf_counter()
             i += 1
             next_t += interval
             now = time.perf_counter()
@@ -200,10 +223,10 @@ def _run_zmq(endpoint: str, prompts: list[list[int]], window: int, duration_s: f
                 except zmq.Again:
                     break
                 reply = dec.decode(msg)
-                t_sent = sent.pop(reply.get("id"), None)
+                t_sent = sent.pop(reply.id, None)
                 if t_sent is not None:
                     lat.append(time.perf_counter() - t_sent)
-                if reply.get("status") != 200:
+                if reply.status != 200:
                     errors += 1
         elif now >= stop_at + 5:
             break
@@ -214,7 +237,8 @@ def _run_zmq(endpoint: str, prompts: list[list[int]], window: int, duration_s: f
             "p99_ms": _pct(lat, 0.99) * 1e3, "errors": errors, "window": window, "target_rate": rate}
 
 
-def _run_visibility(endpoint: str, probes: int, worker: str) -> dict[str, Any]:
+def _run_visibility(endpoint: str, probes: int, worker: str, base: int = 0,
+                    deadline_s: float = 120.0) -> dict[str, Any]:
     """Poll ``match`` for probe k until visible; print (k, wall time) pairs."""
     import zmq
 
@@ -226,9 +250,11 @@ def _run_visibility(endpoint: str, probes: int, worker: str) -> dict[str, Any]:
     dec = msgspec.msgpack.Decoder()
     seen: dict[int, float] = {}
     pause = threading.Event()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + deadline_s
     for k in range(probes):
-        q = enc.encode({"op": "match", "id": k, "token_ids": _tokens(10_000_000 + k, BLOCK)})
+        q = enc.encode({"op": "match", "id": k, "token_ids": _tokens(10_000_000 + base + k, BLOCK)})
+        if time.monotonic() > deadline:
+            break
         while time.monotonic() < deadline:
             sock.send(q)
             if not sock.poll(2000):
@@ -250,7 +276,7 @@ def loadgen_main(args: argparse.Namespace) -> int:
     for _ in range(2000):
         w = rng.randrange(spec["workers"])
         c = rng.randrange(POOL)
-        cached = _tokens(w * POOL + c, CHAIN_BLOCKS * BLOCK)
+        cached = _cached_prompt(w, c)
         n = spec["prompt_tokens"]
         prompt = cached[: n // 2] + [rng.randrange(150_000) for _ in range(n - min(n // 2, len(cached)))]
         prompts.append(prompt)
@@ -268,7 +294,8 @@ def loadgen_main(args: argparse.Namespace) -> int:
     elif spec["mode"] == "zmq":
         out = _run_zmq(spec["endpoint"], prompts, spec["window"], spec["duration_s"], spec["rate"])
     else:
-        out = _run_visibility(spec["endpoint"], spec["probes"], spec["worker"])
+        out = _run_visibility(spec["endpoint"], spec["probes"], spec["worker"], spec.get("probe_base", 0),
+                              spec["duration_s"] + CATCH_UP_S)
     sys.stdout.write(json.dumps(out) + "\n")
     return 0
 
@@ -295,27 +322,41 @@ def _result(proc: subprocess.Popen[str]) -> dict[str, Any]:
 
 
 class Streamer:
-    """Steady KV-event churn from one publisher per worker, plus visibility probes."""
+    """Steady vLLM-shaped KV-event churn from one publisher per worker, plus visibility probes.
+
+    Shaped like vLLM 0.33's publisher (``vllm/distributed/kv_events.py``,
+    ``block_pool.py``): tagged-map events; block hashes are opaque 64-bit ints
+    (the low 64 bits of a chained SHA-256, as with vLLM's default
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), never the router's own content
+    hash; each worker first stores a shared system prefix, then every batch is
+    one request's newly full blocks (``CHAIN_BLOCKS`` of them, parent = the
+    prefix's last block) plus the eviction of an older request's blocks.
+    """
 
     def __init__(self, num_workers: int) -> None:
-        from tokenspeed_router.events import KVEventBatch
+        from tokenspeed_router.events import BlockRemoved, BlockStored, KVEventBatch
         from tokenspeed_router.events.publisher import ZmqEventPublisher
-        from tokenspeed_router.hashing import block_hashes
 
         self.KVEventBatch = KVEventBatch
         self.pubs = [ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
                                        hwm=1_000_000) for _ in range(num_workers)]
-        from tokenspeed_router.events import BlockHash, BlockRemoved, BlockStored
-
+        self.prefixes: list[Any] = []
         self.stores: list[list[Any]] = []
         self.removes: list[list[Any]] = []
         for w in range(max(1, num_workers)):
+            ptoks = _prefix_tokens(w)
+            phashes = _opaque_hashes(ptoks, f"w{w}".encode())
+            self.prefixes.append(BlockStored(block_hashes=phashes, parent_block_hash=None, token_ids=ptoks,
+                                             block_size=BLOCK, medium="GPU"))
             st, rm = [], []
             for c in range(POOL):
                 toks = _tokens(w * POOL + c, CHAIN_BLOCKS * BLOCK)
-                hashes: list[BlockHash] = list(block_hashes(toks, BLOCK))
-                st.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=toks, block_size=BLOCK))
-                rm.append(BlockRemoved(block_hashes=hashes))
+                tail = phashes[-1]
+                assert isinstance(tail, int)
+                hashes = _opaque_hashes(toks, tail.to_bytes(8, "big"))
+                st.append(BlockStored(block_hashes=hashes, parent_block_hash=phashes[-1], token_ids=toks,
+                                      block_size=BLOCK, medium="GPU"))
+                rm.append(BlockRemoved(block_hashes=hashes, medium="GPU"))
             self.stores.append(st)
             self.removes.append(rm)
         self.step = [0] * max(1, num_workers)
@@ -324,8 +365,9 @@ class Streamer:
         self.published_blocks = 0
 
     def preload(self) -> None:
-        """Store the first half of every worker's pool (what routing will find)."""
+        """Store every worker's prefix and the first half of its pool (what routing will find)."""
         for w, pub in enumerate(self.pubs):
+            pub.publish(self.KVEventBatch(time.time(), [self.prefixes[w]]))
             for _ in range(POOL // 2):
                 self._churn(w, pub)
             pub.wait_sent(30)
@@ -339,7 +381,7 @@ class Streamer:
         self.step[w] = j + 1
         self.published_blocks += CHAIN_BLOCKS
 
-    def run(self, blocks_per_s: float, duration_s: float, probes: int) -> None:
+    def run(self, blocks_per_s: float, duration_s: float, probes: int, probe_base: int = 0) -> None:
         """Publish at the rate for the duration; a probe every duration/probes seconds."""
         from tokenspeed_router.events import BlockHash, BlockStored
         from tokenspeed_router.hashing import block_hashes
@@ -355,7 +397,7 @@ class Streamer:
             if now - t0 >= duration_s:
                 break
             if k < probes and now - t0 >= k * probe_every:
-                toks = _tokens(10_000_000 + k, BLOCK)
+                toks = _tokens(10_000_000 + probe_base + k, BLOCK)
                 ev = BlockStored(block_hashes=list[BlockHash](block_hashes(toks, BLOCK)), parent_block_hash=None,
                                  token_ids=toks, block_size=BLOCK)
                 ts = time.time()
@@ -458,10 +500,12 @@ def measure_costs(num_workers: int, prompt_tokens: int, n: int = 3000) -> dict[s
         payloads.append(encode_batch(streamer_like.KVEventBatch(time.time(), events)))
     decoder = BatchDecoder()
     ingest = RouterService(ServerConfig(http=None))
+    prefix = encode_batch(streamer_like.KVEventBatch(time.time(), [streamer_like.prefixes[0]]))
+    ingest.apply_item(BatchReceived("w0", 0, decoder.decode(prefix), prefix, b"", time.time(), 0, False))
 
     def apply(i: int) -> None:
         batch = decoder.decode(payloads[i])
-        ingest.apply_item(BatchReceived("w0", i, batch, payloads[i], b"", time.time(), 0, False))
+        ingest.apply_item(BatchReceived("w0", i + 1, batch, payloads[i], b"", time.time(), 0, False))
 
     timed("ingest_batch_decode_apply_us", apply)
     out["ingest_stored_blocks_per_cpu_s"] = CHAIN_BLOCKS / (out["ingest_batch_decode_apply_us"] * 1e-6)
@@ -492,17 +536,29 @@ def _start_router(streamer: Streamer, http_port: int, zmq_ep: str, env: dict[str
     raise RuntimeError("router did not start")
 
 
-def _visible_buckets(http_port: int) -> dict[float, float]:
-    """The router's own publish->applied histogram (cumulative counts by upper bound)."""
+def _histogram(http_port: int, name: str) -> dict[float, float]:
+    """One of the router's histograms (cumulative counts by upper bound) from ``/metrics``."""
     import httpx
 
-    text = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=10).text
-    out: dict[float, float] = {}
-    for line in text.splitlines():
-        if line.startswith("tokenspeed_ingest_visible_delay_seconds_bucket"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            out[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
-    return out
+    return histogram_buckets(httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=10).text, name)
+
+
+def _visible_buckets(http_port: int) -> dict[float, float]:
+    """The router's own publish->applied histogram."""
+    return _histogram(http_port, "tokenspeed_ingest_visible_delay_seconds")
+
+
+def _loop_lag_buckets(http_port: int) -> dict[float, float]:
+    """The router's HTTP event-loop lag histogram."""
+    return _histogram(http_port, "tokenspeed_http_loop_lag_seconds")
+
+
+def _over(before: dict[float, float], after: dict[float, float], bound: float) -> float:
+    """Fraction of the samples between two scrapes above ``bound``."""
+    if bound not in after:
+        return float("nan")
+    total = after[float("inf")] - before.get(float("inf"), 0.0)
+    return (total - (after[bound] - before.get(bound, 0.0))) / total if total else float("nan")
 
 
 def _bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
@@ -515,56 +571,97 @@ def _bucket_quantile(before: dict[float, float], after: dict[float, float], q: f
     return float("nan")
 
 
-def _wait_caught_up(http_port: int, streamer: Streamer, poll_s: float = 0.05) -> None:
+def _wait_caught_up(http_port: int, streamer: Streamer, poll_s: float = 0.05, timeout_s: float = 120.0,
+                    *, required: bool = True) -> bool:
+    """Until every worker's last applied seq is the last one published; False at the deadline
+    (or RuntimeError when ``required``)."""
     import httpx
 
     want = {f"w{w}": p.statistics().published - 1 for w, p in enumerate(streamer.pubs)}
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        ws = httpx.get(f"http://127.0.0.1:{http_port}/workers", timeout=5).json()
-        if all(ws[n]["last_seq"] == s for n, s in want.items()):
-            return
-        threading.Event().wait(poll_s)
-    raise RuntimeError("router did not catch up with the preload")
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5) as client:
+        while time.monotonic() < deadline:
+            ws = client.get(f"http://127.0.0.1:{http_port}/workers").json()
+            if all(ws[n]["last_seq"] == s for n, s in want.items()):
+                return True
+            threading.Event().wait(poll_s)
+    if required:
+        raise RuntimeError(f"router did not catch up with the publishers within {timeout_s:g}s")
+    return False
+
+
+def _ingest_counters(http_port: int) -> dict[str, float]:
+    """Summed per-worker ingestion counters from ``GET /workers`` (gaps, resyncs, rejections, lag)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/workers", timeout=10) as resp:
+        ws = json.loads(resp.read())
+    out: dict[str, float] = {k: float(sum(w.get(k) or 0 for w in ws.values()))
+                             for k in ("gaps", "resyncs", "events_rejected", "replayed_batches")}
+    # publisher timestamp -> applied, of each worker's last applied batch: the backlog, in seconds
+    out["max_lag_s"] = max((float(w.get("ingest_delay_s") or 0.0) for w in ws.values()), default=0.0)
+    out["not_live"] = float(sum(1 for w in ws.values() if w.get("state") != "live"))
+    return out
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads) so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    vals = [v for v in values if v == v]
+    if not vals:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan")}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+
+
+def _show(name: str, out: dict[str, Any]) -> None:
+    shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items() if k != "seen"}
+    print(f"{name:<34} {json.dumps(shown)}", flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", default="main", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="short phases (smoke test)")
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--blocks-per-s", type=float, default=100_000)
-    parser.add_argument("--duration", type=float, default=None, help="seconds per phase")
-    parser.add_argument("--http-conns", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="one round of short phases (smoke test)")
+    parser.add_argument("--workers", type=int, default=8, help="publishers (default 8)")
+    parser.add_argument("--rates", default="20000,50000,100000,200000",
+                        help="stored blocks per second to stream, comma-separated (an idle phase always runs)")
+    parser.add_argument("--duration", type=float, default=None, help="seconds per phase (default 5)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians (default 3)")
+    parser.add_argument("--http-conns", type=int, default=8, help="wrk connections for /match and /route")
     parser.add_argument("--no-wrk", action="store_true", help="use the Python HTTP client even if wrk exists")
     parser.add_argument("--prompt-tokens", type=int, default=1024,
-                        help="tokens per /route request; the first half is cached on some worker")
+                        help="tokens per query; the first half is cached on some worker")
     parser.add_argument("--zmq-window", type=int, default=32)
     parser.add_argument("--json", metavar="OUT", help="also write the results here")
-    parser.add_argument("--only", choices=("costs", "match", "http", "zmq", "visible"), action="append",
-                        help="run only these parts (repeatable)")
+    parser.add_argument("--blocks-per-s", type=float, default=None,
+                        help="one streaming rate instead of --rates (older spelling)")
+    parser.add_argument("--only", choices=("costs", "ingest", "zmq", "http", "match", "visible"), action="append",
+                        help="run only these parts (repeatable; default: all; match and visible are the "
+                             "ingest phases' two halves and run them)")
     args = parser.parse_args()
     if args.role == "loadgen":
         return loadgen_main(args)
-    duration = args.duration or (2.0 if args.quick else 6.0)
+    duration = args.duration or (2.0 if args.quick else 5.0)
+    repeats = 1 if args.quick else args.repeats
+    rates = [args.blocks_per_s] if args.blocks_per_s else [float(r) for r in args.rates.split(",") if r.strip()]
+    parts = {"ingest" if p in ("match", "visible") else p for p in (args.only or ("costs", "ingest", "zmq", "http"))}
     env = dict(os.environ)
-    results_costs: dict[str, Any] = {}
-    if not args.only or "costs" in args.only:
-        results_costs = measure_costs(args.workers, args.prompt_tokens, 1000 if args.quick else 3000)
-        print(f"{'in_process_cpu_costs':<34} {json.dumps({k: round(v, 1) for k, v in results_costs.items()})}",
-              flush=True)
-        if args.only == ["costs"]:
-            if args.json:
-                Path(args.json).write_text(json.dumps({"costs": results_costs}, indent=2))
-            return 0
+    results: dict[str, Any] = {"config": {"workers": args.workers, "rates": rates, "phase_s": duration,
+                                          "repeats": repeats, "cpus": os.cpu_count(),
+                                          "prompt_tokens": args.prompt_tokens,
+                                          "loadavg_at_start": os.getloadavg()[0]}}
+    if "costs" in parts:
+        results["costs"] = measure_costs(args.workers, args.prompt_tokens, 1000 if args.quick else 3000)
+        _show("in_process_cpu_costs", {k: round(v, 1) for k, v in results["costs"].items()})
+        if parts == {"costs"}:
+            return _write(args, results)
     streamer = Streamer(args.workers)
     http_port, zmq_ep = free_tcp_port(), f"tcp://127.0.0.1:{free_tcp_port()}"
     router = _start_router(streamer, http_port, zmq_ep, env)
-    results: dict[str, Any] = {"config": {"workers": args.workers, "blocks_per_s": args.blocks_per_s,
-                                          "phase_s": duration, "cpus": os.cpu_count(),
-                                          "prompt_tokens": args.prompt_tokens,
-                                          "loadavg_at_start": os.getloadavg()[0]},
-                               "costs": results_costs}
+    rounds: list[dict[str, Any]] = []
+    probe_base = 0
     try:
         streamer.preload()
         _wait_caught_up(http_port, streamer)
@@ -572,89 +669,126 @@ def main() -> int:
                 "endpoint": zmq_ep, "conns": args.http_conns, "window": args.zmq_window,
                 "prompt_tokens": args.prompt_tokens, "python_client": args.no_wrk}
 
-        def phase(name: str, spec: dict[str, Any], blocks_per_s: float, probes: int = 0) -> dict[str, Any]:
-            _wait_caught_up(http_port, streamer)  # no backlog from the previous phase
-            proc = _loadgen({**base, **spec}, env)
+        def ingest_phase(rate: float) -> dict[str, Any]:
+            """/match at saturation (wrk) and publish->visible probes while streaming at ``rate``."""
+            nonlocal probe_base
+            _wait_caught_up(http_port, streamer, timeout_s=2 * CATCH_UP_S)  # no backlog from the last phase
+            probes = int(duration * 50)
+            match = _loadgen({**base, "mode": "http", "rate": 0, "path": "/match"}, env)
+            visible = _loadgen({**base, "mode": "visible", "probes": probes, "worker": "w0",
+                                "probe_base": probe_base}, env)
+            streamer.probe_times.clear()
             before, t0 = streamer.published_blocks, time.perf_counter()
-            streamer.run(blocks_per_s, duration + 0.5, probes)
+            counters0 = _ingest_counters(http_port)
+            hist0 = _visible_buckets(http_port)
+            lag0 = _loop_lag_buckets(http_port)
+            streamer.run(rate, duration + 0.5, probes, probe_base)
+            lag1 = _loop_lag_buckets(http_port)
+            streamed = (streamer.published_blocks - before) / (time.perf_counter() - t0)
+            t_stop = time.perf_counter()
+            at_stop = _ingest_counters(http_port)  # the backlog as publishing stops
+            caught_up = _wait_caught_up(http_port, streamer, poll_s=0.005, timeout_s=CATCH_UP_S, required=False)
+            catch_up = time.perf_counter() - t_stop if caught_up else float("inf")
+            after = _ingest_counters(http_port)
+            hist1 = _visible_buckets(http_port)
+            out = _result(match)
+            seen = {int(k): v for k, v in _result(visible)["seen"].items()}
+            delays = [seen[k] - t for k, t in streamer.probe_times.items() if k in seen]
+            probe_base += probes
+            return {"rate": rate, "streamed_blocks_per_s": streamed, "match_req_per_s": out["req_per_s"],
+                    "match_p99_ms": out["p99_ms"], "match_errors": out["errors"],
+                    "visible_probes": len(delays), "visible_lost": probes - len(delays),
+                    "visible_p50_ms": _pct(delays, 0.5) * 1e3, "visible_p99_ms": _pct(delays, 0.99) * 1e3,
+                    "visible_max_ms": max(delays) * 1e3 if delays else float("nan"),
+                    # the router's own publisher-timestamp -> applied histogram (bucket upper bounds): the
+                    # probes above also carry the prober's own query latency on a saturated machine
+                    "applied_p50_le_ms": _bucket_quantile(hist0, hist1, 0.5) * 1e3,
+                    "applied_p99_le_ms": _bucket_quantile(hist0, hist1, 0.99) * 1e3, "catch_up_s": catch_up,
+                    # the HTTP loop serving /match while events stream in: does ingest starve it?
+                    "loop_lag_p99_le_ms": _bucket_quantile(lag0, lag1, 0.99) * 1e3,
+                    "loop_lag_over_10ms": _over(lag0, lag1, 0.01), "loop_lag_over_50ms": _over(lag0, lag1, 0.05),
+                    "lag_at_stop_s": at_stop["max_lag_s"],
+                    **{k: after[k] - counters0[k] for k in ("gaps", "resyncs", "events_rejected", "replayed_batches")},
+                    "workers_not_live": after["not_live"]}
+
+        def query_phase(kind: str) -> dict[str, Any]:
+            """/route at saturation over ``kind`` (zmq: a DEALER window; http: wrk), no events."""
+            _wait_caught_up(http_port, streamer)
+            proc = _loadgen({**base, "mode": kind, "rate": 0}, env)
+            c0, t0 = _cpu_s(router.pid), time.perf_counter()
+            streamer.run(0, duration + 0.5, 0)
             out = _result(proc)
-            out["streamed_blocks_per_s"] = (streamer.published_blocks - before) / (time.perf_counter() - t0)
-            results[name] = out
-            print(f"{name:<34} {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items() if k != 'seen'})}",
-                  flush=True)
+            out["router_cpu_cores"] = (_cpu_s(router.pid) - c0) / (time.perf_counter() - t0)
+            out["router_cpu_us_per_request"] = (out["router_cpu_cores"] * (time.perf_counter() - t0)
+                                                / max(1, out["requests"]) * 1e6)
             return out
 
-        parts = set(args.only or ("match", "http", "zmq", "visible")) - {"costs"}
-        # ingest capacity: a burst as fast as the publishers go, until the router has applied it
-        _wait_caught_up(http_port, streamer)
-        burst = 1000 if args.quick else 3000
-        t0 = time.perf_counter()
-        for n in range(burst):
-            w = n % len(streamer.pubs)
-            streamer._churn(w, streamer.pubs[w])
-        _wait_caught_up(http_port, streamer, poll_s=0.005)
-        elapsed = time.perf_counter() - t0
-        results["ingest_burst"] = {"batches": burst, "stored_blocks": burst * CHAIN_BLOCKS,
-                                   "seconds": elapsed, "stored_blocks_per_s": burst * CHAIN_BLOCKS / elapsed}
-        print(f"{'ingest_burst':<34} {json.dumps(results['ingest_burst'])}", flush=True)
-        if "match" in parts:
-            # POST /match (no side effects) at saturation, idle vs while events stream in
-            spec = {"mode": "http", "rate": 0, "path": "/match"}
-            idle = phase("http_match_idle_saturation", spec, 0)
-            busy = phase("http_match_saturation", spec, args.blocks_per_s)
-            results["http_match_ratio_streaming_vs_idle"] = busy["req_per_s"] / idle["req_per_s"]
-            print(f"{'http_match_ratio_streaming_vs_idle':<34} {results['http_match_ratio_streaming_vs_idle']:.2f}",
-                  flush=True)
-        for kind, target in (("http", 5000), ("zmq", 20000)):
-            if kind not in parts:
-                continue
-            idle = phase(f"{kind}_route_idle_saturation", {"mode": kind, "rate": 0}, 0)
-            busy = phase(f"{kind}_route_saturation", {"mode": kind, "rate": 0}, args.blocks_per_s)
-            phase(f"{kind}_route_at_{target}", {"mode": kind, "rate": target}, args.blocks_per_s)
-            results[f"{kind}_throughput_ratio_streaming_vs_idle"] = busy["req_per_s"] / idle["req_per_s"]
-        if "visible" not in parts:
-            return _finish(args, results, router, streamer)
-        probes = int(duration * 50)
-        _wait_caught_up(http_port, streamer)
-        buckets_before = _visible_buckets(http_port)
-        t_start = time.monotonic()
-        proc = _loadgen({**base, "mode": "visible", "probes": probes, "worker": "w0"}, env)
-        streamer.probe_times.clear()
-        streamer.run(args.blocks_per_s, duration, probes)
-        seen = {int(k): v for k, v in _result(proc)["seen"].items()}
-        delays = [seen[k] - t for k, t in streamer.probe_times.items() if k in seen]
-        results["event_to_visible"] = {
-            "probes": len(delays), "p50_ms": _pct(delays, 0.5) * 1e3, "p99_ms": _pct(delays, 0.99) * 1e3,
-            "max_ms": max(delays) * 1e3 if delays else float("nan"),
-            "elapsed_s": time.monotonic() - t_start,
-        }
-        _wait_caught_up(http_port, streamer)
-        after = _visible_buckets(http_port)
-        results["event_to_visible"]["router_histogram_p50_le_ms"] = _bucket_quantile(buckets_before, after, 0.5) * 1e3
-        results["event_to_visible"]["router_histogram_p99_le_ms"] = _bucket_quantile(buckets_before, after, 0.99) * 1e3
-        print(f"{'event_to_visible':<34} {json.dumps(results['event_to_visible'])}", flush=True)
-        # GET /workers answers {worker: status} (DESIGN §6), not {"workers": ...}.
+        for r in range(repeats):
+            rnd: dict[str, Any] = {}
+            if "ingest" in parts:
+                idle = ingest_phase(0)
+                _show(f"round {r + 1} ingest idle", idle)
+                rnd["ingest"] = [idle]
+                for rate in rates:
+                    row = ingest_phase(rate)
+                    row["match_vs_idle"] = row["match_req_per_s"] / idle["match_req_per_s"]
+                    _show(f"round {r + 1} ingest {rate:g}/s", row)
+                    rnd["ingest"].append(row)
+            for kind in ("zmq", "http"):
+                if kind in parts:
+                    rnd[f"{kind}_route"] = query_phase(kind)
+                    _show(f"round {r + 1} {kind} /route", rnd[f"{kind}_route"])
+            rounds.append(rnd)
+        results["rounds"] = rounds
+        results["summary"] = _summarise(rounds)
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/workers", timeout=10) as resp:
             ws = json.loads(resp.read())
-        results["ingest"] = {
+        results["ingest_totals"] = {
             "published_blocks": streamer.published_blocks,
             "events_applied": sum(w["events_applied"] for w in ws.values()),
             "events_rejected": sum(w["events_rejected"] for w in ws.values()),
             "states": sorted({w["state"] for w in ws.values()}),
         }
-        print(f"{'ingest':<34} {json.dumps(results['ingest'])}", flush=True)
-    except BaseException:
-        router.kill()
+        _show("ingest_totals", results["ingest_totals"])
+    finally:
+        router.terminate()
+        try:
+            router.wait(30)
+        except subprocess.TimeoutExpired:
+            router.kill()
         streamer.close()
-        raise
-    return _finish(args, results, router, streamer)
+    _print_summary(results)
+    return _write(args, results)
 
 
-def _finish(args: argparse.Namespace, results: dict[str, Any], router: subprocess.Popen[bytes],
-            streamer: Streamer) -> int:
-    router.terminate()
-    router.wait(30)
-    streamer.close()
+def _summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    figures: dict[str, list[float]] = {}
+    for rnd in rounds:
+        for row in rnd.get("ingest", []):
+            tag = "idle" if row["rate"] == 0 else f"{row['rate']:g}"
+            for key in ("match_req_per_s", "match_vs_idle", "visible_p50_ms", "visible_p99_ms", "visible_max_ms",
+                        "applied_p50_le_ms", "applied_p99_le_ms", "loop_lag_p99_le_ms", "loop_lag_over_10ms",
+                        "loop_lag_over_50ms",
+                        "catch_up_s", "lag_at_stop_s", "gaps", "resyncs", "visible_lost", "streamed_blocks_per_s"):
+                if key in row:
+                    figures.setdefault(f"ingest[{tag}].{key}", []).append(row[key])
+        for kind in ("zmq", "http"):
+            row = rnd.get(f"{kind}_route")
+            if row:
+                for key in ("req_per_s", "p50_ms", "p99_ms", "router_cpu_cores", "router_cpu_us_per_request"):
+                    figures.setdefault(f"{kind}_route.{key}", []).append(row[key])
+    return {k: _summary(v) for k, v in figures.items()}
+
+
+def _print_summary(results: dict[str, Any]) -> None:
+    c = results["config"]
+    print(f"\n{c['workers']} vLLM-shaped publishers, {c['prompt_tokens']}-token queries, {c['phase_s']:g} s phases; "
+          f"median (min-max) of {c['repeats']} round(s)")
+    for key, s in results.get("summary", {}).items():
+        print(f"  {key:<44}{s['median']:>12.3f}   ({s['min']:.3f} - {s['max']:.3f})")
+
+
+def _write(args: argparse.Namespace, results: dict[str, Any]) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

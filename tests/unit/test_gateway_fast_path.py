@@ -14,7 +14,7 @@ from tokenspeed_router.server.http import _CoalescingTransport, _new_event_loop
 def test_usage_patch_adds_include_usage_and_keeps_every_field() -> None:
     raw = b'  {"prompt": [1, 2, 3], "stream": true, "x_unknown": {"a": [1]}, "max_tokens": 4}'
     req = parse_completion(raw, max_tokens=100)
-    patched = _with_usage(raw, req.body)
+    patched = _with_usage(raw, req)
     assert patched is not None
     assert json.loads(patched) == {**json.loads(raw), "stream_options": {"include_usage": True}}
 
@@ -22,7 +22,7 @@ def test_usage_patch_adds_include_usage_and_keeps_every_field() -> None:
 def test_usage_patch_declines_when_the_client_sent_stream_options() -> None:
     raw = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": {}}'
     req = parse_chat(raw, max_tokens=100)
-    assert _with_usage(raw, req.body) is None  # merged and re-encoded by the proxy instead
+    assert _with_usage(raw, req) is None  # merged and re-encoded by the proxy instead
     assert req.raw == raw  # forwarded as is when nothing is added
 
 

@@ -10,8 +10,7 @@ the message instead of failing to parse it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -53,22 +52,46 @@ def error_body(message: str, *, type_: str, param: str | None = None, code: str 
     return _encoder.encode({"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
-@dataclass
 class ParsedRequest:
     """A checked request: the body to forward, and what routing needs from it.
 
     ``token_ids`` is set when the prompt already is token ids; otherwise
     ``text`` (completions) or the chat fields in ``body`` are tokenized.
+    ``body`` is decoded from ``raw`` only when something asks for it (the
+    token-id fast path of :func:`parse_completion` never does: it forwards
+    ``raw`` as it came).
     """
 
-    kind: str  # "completions" or "chat"
-    body: dict[str, Any]
-    stream: bool
-    model: str | None
-    token_ids: list[int] | None = None
-    text: str | None = None
-    #: the body as the client sent it: forwarded as is when nothing is added (no re-encoding)
-    raw: bytes | None = None
+    __slots__ = ("_body", "has_stream_options", "kind", "model", "raw", "stream", "stream_options", "text",
+                 "token_ids")
+
+    def __init__(self, kind: str, body: dict[str, Any] | None, stream: bool, model: str | None, *,
+                 token_ids: list[int] | None = None, text: str | None = None, raw: bytes | None = None,
+                 stream_options: Any = None, has_stream_options: bool | None = None) -> None:
+        if body is None and raw is None:
+            raise ValueError("a ParsedRequest needs its body or its raw bytes")
+        self.kind = kind  # "completions" or "chat"
+        self._body = body
+        self.stream = stream
+        self.model = model
+        self.token_ids = token_ids
+        self.text = text
+        #: the body as the client sent it: forwarded as is when nothing is added (no re-encoding)
+        self.raw = raw
+        if body is not None:
+            stream_options = body.get("stream_options")
+            has_stream_options = "stream_options" in body
+        self.stream_options = stream_options
+        #: the client sent a ``stream_options`` key (even ``null``): its object must be merged, not patched
+        self.has_stream_options = bool(has_stream_options)
+
+    @property
+    def body(self) -> dict[str, Any]:
+        """The JSON body as a dict (decoded from ``raw`` on first use)."""
+        if self._body is None:
+            assert self.raw is not None
+            self._body = _decoder.decode(self.raw)
+        return self._body
 
     @property
     def path(self) -> str:
@@ -76,8 +99,60 @@ class ParsedRequest:
 
     def client_wants_usage(self) -> bool:
         """Whether the client itself asked for the usage chunk of a stream."""
-        opts = self.body.get("stream_options")
+        opts = self.stream_options
         return isinstance(opts, dict) and opts.get("include_usage") is True
+
+
+class _CompletionHead(msgspec.Struct):
+    """The fields of a completions body that routing reads; msgspec skips the rest unbuilt."""
+
+    prompt: msgspec.Raw = msgspec.Raw(b"")
+    stream: Any = False
+    model: Any = None
+    stream_options: Any = msgspec.UNSET
+
+
+_head_decoder = msgspec.json.Decoder(_CompletionHead)
+_ids_decoders: dict[int, msgspec.json.Decoder[list[int]]] = {}
+
+
+def _ids_decoder(max_tokens: int) -> msgspec.json.Decoder[list[int]]:
+    """A decoder of a token-id list within the limits, checked in C (one per limit)."""
+    dec = _ids_decoders.get(max_tokens)
+    if dec is None:
+        token = Annotated[int, msgspec.Meta(ge=0, le=_MAX_TOKEN_ID)]
+        ids = Annotated[list[token], msgspec.Meta(min_length=1, max_length=max_tokens)]  # type: ignore[valid-type]
+        dec = _ids_decoders[max_tokens] = msgspec.json.Decoder(ids)
+    return dec
+
+
+def _fast_completion(raw: bytes, max_tokens: int) -> ParsedRequest | None:
+    """A completions body whose prompt is a valid token-id list, without building the body.
+
+    None for anything else (text, batches, and every error): :func:`parse_completion`
+    then takes the general path, which gives the same answers and the same errors.
+    """
+    try:
+        head = _head_decoder.decode(raw)
+    except (msgspec.DecodeError, RecursionError):  # ValidationError included
+        return None
+    prompt = head.prompt
+    view = memoryview(prompt)
+    if not view or view[0] != 0x5B:  # "[": only a list can be token ids
+        return None
+    stream, model, opts = head.stream, head.model, head.stream_options
+    if stream is None:
+        stream = False
+    if (not isinstance(stream, bool) or (model is not None and not isinstance(model, str))
+            or (opts is not msgspec.UNSET and opts is not None and not isinstance(opts, dict))):
+        return None
+    try:
+        ids = _ids_decoder(max_tokens).decode(prompt)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    present = opts is not msgspec.UNSET
+    return ParsedRequest("completions", None, stream, model, token_ids=ids, raw=raw,
+                         stream_options=opts if present else None, has_stream_options=present)
 
 
 def _decode_object(raw: bytes) -> dict[str, Any]:
@@ -130,6 +205,12 @@ def parse_completion(raw: bytes, *, max_tokens: int) -> ParsedRequest:
     ``prompt`` may be a string, a list of token ids, or a batch (a list of
     strings or of token-id lists): a batch is routed by its first prompt.
     """
+    fast = _fast_completion(raw, max_tokens)
+    return fast if fast is not None else parse_completion_general(raw, max_tokens=max_tokens)
+
+
+def parse_completion_general(raw: bytes, *, max_tokens: int) -> ParsedRequest:
+    """:func:`parse_completion` without the token-id fast path (every prompt shape, every error)."""
     body = _decode_object(raw)
     stream, model = _common(body)
     if "prompt" not in body or body["prompt"] is None:

@@ -33,6 +33,7 @@ import msgspec
 from tokenspeed_router.asgi import Send, send_response
 from tokenspeed_router.errors import NoWorkerAvailableError, TokenspeedError, api_error
 from tokenspeed_router.gateway.config import GatewayConfig
+from tokenspeed_router.gateway.http1 import ConnectFailed, Http1Response, UpstreamError
 from tokenspeed_router.gateway.openai import OpenAIError, ParsedRequest
 from tokenspeed_router.gateway.sse import SseRelay, sse_error_event
 from tokenspeed_router.gateway.tokenize import PromptTokenizer, TokenizeError
@@ -57,7 +58,7 @@ class _UsageOnly(msgspec.Struct):
 
 _usage_decoder = msgspec.json.Decoder(_UsageOnly)
 #: what a failing engine connection can raise
-_TRANSPORT = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+_TRANSPORT = (UpstreamError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 class _Unreachable(Exception):
@@ -68,7 +69,7 @@ class _Unreachable(Exception):
         self.target = target
         #: no connection could be made (refused, unroutable, connect timeout); otherwise an
         #: established connection was closed or reset before the answer started
-        self.refused = isinstance(err, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+        self.refused = isinstance(err, (ConnectFailed, aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
 
 
 def _before_first_byte(target: Target, err: BaseException, what: str) -> Exception:
@@ -201,7 +202,7 @@ class Proxy:
                     if plan.remote_prefill:
                         await self._disaggregated(req, tokens, plan, send, headers)
                     else:
-                        await self._one_leg(req, tokens, plan, plan.site, req.body, send, headers,
+                        await self._one_leg(req, tokens, plan, plan.site, None, send, headers,
                                             observe=True, extra=None)
                     return
                 except _Unreachable as err:
@@ -267,13 +268,15 @@ class Proxy:
                             extra=[(b"x-tokenspeed-prefill-worker", site.stream.encode())])
 
     async def _one_leg(self, req: ParsedRequest, tokens: list[int], plan: _Plan, target: Target,
-                       body: dict[str, Any], send: Send, headers: dict[str, str], *, observe: bool,
+                       body: dict[str, Any] | None, send: Send, headers: dict[str, str], *, observe: bool,
                        extra: list[tuple[bytes, bytes]] | None) -> None:
         strip = req.stream and not req.client_wants_usage()
         data: bytes | None = None
-        if body is req.body and req.raw is not None:
+        if body is None and req.raw is not None:
             # the client's own bytes: no re-encoding (the common case costs one decode, no encode)
-            data = _with_usage(req.raw, body) if strip else req.raw
+            data = _with_usage(req.raw, req) if strip else req.raw
+        if body is None:
+            body = req.body
         if data is None:
             if strip:
                 body = dict(body)
@@ -307,23 +310,23 @@ class Proxy:
                 resp.close()
 
     async def _open(self, target: Target, path: str, data: bytes, headers: dict[str, str],
-                    what: str) -> aiohttp.ClientResponse:
+                    what: str) -> Http1Response:
         """POST the JSON ``data`` to ``target`` and wait for the answer's head."""
+        if target.dp_rank is not None:
+            headers = {**headers, **target.headers()}
         try:
-            return await self._up.client().post(
-                target.url + path, data=data,
-                headers={"content-type": "application/json", **headers, **target.headers()})
+            return await self._up.pool().post(target.url, path, data, headers)
         except _TRANSPORT as err:
             raise _before_first_byte(target, err, what) from err
 
-    async def _relay(self, resp: aiohttp.ClientResponse, target: Target, plan: _Plan, tokens: list[int],
+    async def _relay(self, resp: Http1Response, target: Target, plan: _Plan, tokens: list[int],
                      send: Send, worker_headers: list[tuple[bytes, bytes]], *, strip: bool,
                      observe: bool) -> bool:
         """Relay an SSE answer; True when the engine's stream was read to its end."""
         relay = SseRelay(strip_usage=strip)
         started = False
         try:
-            async for chunk in resp.content.iter_any():
+            while (chunk := await resp.next_chunk()) is not None:
                 out = relay.feed(chunk)
                 if not out:
                     continue
@@ -397,14 +400,14 @@ class Proxy:
 _WITH_USAGE = b'{"stream_options":{"include_usage":true},'
 
 
-def _with_usage(raw: bytes, body: dict[str, Any]) -> bytes | None:
+def _with_usage(raw: bytes, req: ParsedRequest) -> bytes | None:
     """``raw`` with ``stream_options.include_usage`` added by a byte patch, or None to re-encode.
 
     Patchable when the client sent no ``stream_options`` at all (else its
     object must be merged): the key goes first, ahead of the body's own. The
     body is a non-empty object here (``prompt`` or ``messages`` is required).
     """
-    if "stream_options" in body:
+    if req.has_stream_options:
         return None
     text = raw.lstrip()
     if not text.startswith(b"{"):
@@ -412,5 +415,5 @@ def _with_usage(raw: bytes, body: dict[str, Any]) -> bytes | None:
     return _WITH_USAGE + text[1:]
 
 
-def _content_type(resp: aiohttp.ClientResponse) -> bytes:
-    return resp.headers.get("Content-Type", "application/json").encode("latin-1")
+def _content_type(resp: Http1Response) -> bytes:
+    return resp.header(b"content-type") or _JSON

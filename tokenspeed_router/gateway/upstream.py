@@ -1,14 +1,18 @@
-"""Where the engines are, one pooled HTTP client to reach them, and which are down.
+"""Where the engines are, the pooled HTTP clients that reach them, and which are down.
 
-One ``aiohttp.ClientSession`` per process (made on first use, in the serving
-event loop), with keep-alive pooling bounded by ``upstream_max_connections``.
+Two clients, each made on first use in the serving event loop:
+
+* the proxy legs (``/v1/completions``, ``/v1/chat/completions``, both P/D
+  legs) go through :class:`~tokenspeed_router.gateway.http1.Http1Pool`, a
+  lean keep-alive HTTP/1.1 client bounded by ``upstream_max_connections``:
+  measured against aiohttp, httpx and others in one run
+  (``benchmarks/bench_http_stack.py``, docs/gateway.md), it costs half of
+  aiohttp's CPU per streamed request and a twentieth of httpx's;
+* the side calls (``/v1/models``, ``/tokenize``, health probes) use one
+  ``aiohttp.ClientSession``: rare, and aiohttp's generality is welcome there.
+
 Timeouts: ``upstream_connect_timeout_s`` to connect, ``upstream_timeout_s``
 for every read (see :class:`~tokenspeed_router.gateway.config.GatewayConfig`).
-
-Why aiohttp and not httpx: measured here against one engine-sim, 32 requests
-in flight, httpx cost 2.5 ms of client CPU per request (its pool checks every
-pooled connection's socket on every request) and aiohttp 0.22 ms; the
-gateway's overhead budget is 1 ms.
 
 A worker whose engine refuses or drops the connection before answering is
 *down*: :meth:`Upstreams.mark_down` takes every stream of it out of routing
@@ -29,6 +33,12 @@ from typing import Any
 import aiohttp
 
 from tokenspeed_router.gateway.config import GatewayConfig
+from tokenspeed_router.gateway.http1 import (
+    ConnectFailed,
+    ConnectionDropped,
+    Http1Pool,
+    ReadTimeout,
+)
 
 __all__ = ["Target", "Upstreams", "is_timeout", "is_unreachable"]
 
@@ -42,15 +52,17 @@ KEEPALIVE_S = 4.0
 
 def is_unreachable(err: BaseException) -> bool:
     """The engine did not take the request: refused, reset, closed, or no connection in time."""
-    if isinstance(err, aiohttp.ConnectionTimeoutError):
+    if isinstance(err, (ConnectFailed, ConnectionDropped, aiohttp.ConnectionTimeoutError)):
         return True
+    if isinstance(err, ReadTimeout):
+        return False
     if isinstance(err, aiohttp.ServerTimeoutError):
         return False  # connected, then too slow: busy, not gone
     return isinstance(err, (aiohttp.ClientConnectionError, ConnectionError))
 
 
 def is_timeout(err: BaseException) -> bool:
-    return isinstance(err, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)) and not isinstance(
+    return isinstance(err, (ReadTimeout, aiohttp.ServerTimeoutError, asyncio.TimeoutError)) and not isinstance(
         err, aiohttp.ConnectionTimeoutError)
 
 
@@ -74,6 +86,7 @@ class Upstreams:
         self._service = service
         self._config = config
         self._client: aiohttp.ClientSession | None = None
+        self._pool: Http1Pool | None = None
         self._down: dict[str, float] = {}  # worker -> monotonic time it went down
         self._probes: dict[str, asyncio.Task[None]] = {}
         self.down_events = 0
@@ -94,6 +107,15 @@ class Upstreams:
             )
         return self._client
 
+    def pool(self) -> Http1Pool:
+        """The proxy legs' lean keep-alive client (``http1.py``), made on first use."""
+        if self._pool is None:
+            c = self._config
+            self._pool = Http1Pool(max_connections=c.upstream_max_connections,
+                                   connect_timeout_s=c.upstream_connect_timeout_s,
+                                   read_timeout_s=c.upstream_timeout_s, keepalive_s=KEEPALIVE_S)
+        return self._pool
+
     async def aclose(self) -> None:
         for task in self._probes.values():
             task.cancel()
@@ -103,6 +125,9 @@ class Upstreams:
             except (asyncio.CancelledError, Exception):
                 pass
         self._probes.clear()
+        if self._pool is not None:
+            await self._pool.aclose()
+            self._pool = None
         if self._client is not None:
             await self._client.close()
             self._client = None

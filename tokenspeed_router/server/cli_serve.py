@@ -159,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None) -> int:
+    from tokenspeed_router.server import gc_policy
     from tokenspeed_router.server.app import RouterService
     from tokenspeed_router.server.http import HttpServer
     from tokenspeed_router.server.zmq_api import ZmqApiServer
@@ -182,6 +183,10 @@ def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None) -> i
             service.start()
             if zmq_api is not None:
                 zmq_api.start()
+            # everything made so far lives as long as the process: out of every collection
+            # (settled first, so the pause metrics count serving, not this one deliberate pass)
+            gc_policy.settle()
+            gc_policy.configure()
             if http is not None:
                 http.run()
             else:

@@ -155,13 +155,21 @@ class LatencyHistogram:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.total += value
 
-    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
-        cumulative = 0
+    @property
+    def samples(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """Prometheus buckets: (upper bound, observations at or below it), ``+Inf`` last."""
+        running = 0
         buckets: list[tuple[str, float]] = []
         for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            cumulative += count
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(cumulative)))
-        return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=self.total)
+            running += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
+        return buckets
+
+    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+        return HistogramMetricFamily(name, documentation, buckets=self.cumulative(), sum_value=self.total)
 
     def copy(self) -> LatencyHistogram:
         out = LatencyHistogram(self.bounds)
