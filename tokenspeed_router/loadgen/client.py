@@ -52,6 +52,8 @@ class RequestRecord:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     engine_ttft_s: float | None = None
+    #: the engine's TTFT in its timing model's seconds (engine-sim: immune to its own loop's lateness)
+    engine_modelled_ttft_s: float | None = None
     worker: str | None = None
     status: int | None = None
     error: str | None = None
@@ -85,6 +87,7 @@ class RequestRecord:
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
             "engine_ttft_s": self.engine_ttft_s,
+            "engine_modelled_ttft_s": self.engine_modelled_ttft_s,
             "router_added_s": self.router_added_s,
             "worker": self.worker,
             "status": self.status,
@@ -103,8 +106,11 @@ def _read_usage(record: RequestRecord, usage: Any) -> None:
     if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
         record.cached_tokens = details["cached_tokens"]
     timing = usage.get("engine_timing")
-    if isinstance(timing, dict) and isinstance(timing.get("ttft_s"), (int, float)):
-        record.engine_ttft_s = float(timing["ttft_s"])
+    if isinstance(timing, dict):
+        if isinstance(timing.get("ttft_s"), (int, float)):
+            record.engine_ttft_s = float(timing["ttft_s"])
+        if isinstance(timing.get("modelled_ttft_s"), (int, float)):
+            record.engine_modelled_ttft_s = float(timing["modelled_ttft_s"])
 
 
 def _error_text(payload: Any) -> str:
