@@ -59,7 +59,7 @@ from tokenspeed_router.loadgen.fleet import (
     exit_on_sigterm,
 )
 from tokenspeed_router.loadgen.prompts import PromptBuilder, PromptConfig, scale_prompts
-from tokenspeed_router.loadgen.replay import ReplayConfig, replay
+from tokenspeed_router.loadgen.replay import ReplayConfig, replay, warm_up
 from tokenspeed_router.loadgen.report import (
     format_runs_table,
     summarize,
@@ -147,6 +147,8 @@ class RouterKind:
     prompt_format: str
     start: Launcher
     available: Callable[[], str | None]  # None = available, else why not
+    #: no router at all: the load generator spreads requests over the engines itself
+    direct: bool = False
 
 
 def _ours(policy: str) -> Launcher:
@@ -199,6 +201,8 @@ ROUTERS = {
     "vllm-router": RouterKind("vllm-router", "tokens", _vllm_router, _needs("vllm-router")),
     "sglang-router": RouterKind("sglang-router", "text", _sglang_router, _needs("smg")),
     "round_robin": RouterKind("round_robin", "tokens", _ours("round_robin"), lambda: None),
+    # the floor of every router-added latency: loadgen -> engine over HTTP, round robin
+    "direct": RouterKind("direct", "tokens", lambda ctx, engines: "", lambda: None, direct=True),
 }
 
 
@@ -241,8 +245,10 @@ def load_slice(trace: str, *, groups: int | None, speedup_factor: float) -> list
 
 def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *, time_scale: float,
             log_dir: Path, progress: ProgressBar, python: str = sys.executable,
-            router_options: Sequence[str] = (), timing: str = "chunked",
-            label: str = "") -> tuple[dict[str, Any], list[RequestRecord]]:
+            router_options: Sequence[str] = (), timing: str = "chunked", label: str = "",
+            inspect: Callable[[Sequence[str]], dict[str, Any]] | None = None,
+            ) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """One run of one router on a fresh fleet: its summary (and ``inspect(urls)`` before it stops)."""
     engine = engine_options(time_scale, timing)
     opts = [engine] * NUM_ENGINES
     if scenario == "restart":
@@ -253,16 +259,25 @@ def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *
         engines = fleet.start_engines([f"engine{i}" for i in range(NUM_ENGINES)], opts)
         redis = _redis(fleet) if scenario == "replicas" and kind.name in ("tokenspeed", "round_robin") else None
         replicas = 2 if scenario == "replicas" else 1
-        urls = [kind.start(RunContext(fleet=fleet, replica=i, time_scale=time_scale, redis=redis,
-                                      router_options=tuple(router_options)), engines)
-                for i in range(replicas)]
+        if kind.direct:
+            urls = [e.url for e in engines]
+        else:
+            urls = [kind.start(RunContext(fleet=fleet, replica=i, time_scale=time_scale, redis=redis,
+                                          router_options=tuple(router_options)), engines)
+                    for i in range(replicas)]
         builder = PromptBuilder(PromptConfig(model=MODEL, prompt_format=kind.prompt_format,
                                              max_output_tokens=MAX_OUTPUT_TOKENS))
+        target = ReplayConfig(target=urls[0], extra_targets=tuple(urls[1:]))
+        # the same few short requests before every router's run: first-request costs (lazy
+        # imports, first tensor ops, connection pools) are not what is compared
+        warm_up(target, MODEL, requests=2 * NUM_ENGINES, text=kind.prompt_format == "text")
         progress.start(label or f"{kind.name}/{scenario}")
-        outcome = replay(requests, builder, ReplayConfig(target=urls[0], extra_targets=tuple(urls[1:])),
-                         progress=progress)
+        outcome = replay(requests, builder, target, progress=progress)
+        extra = inspect(urls) if inspect is not None else None
     summary = summarize(outcome.records, wall_s=outcome.wall_s, workers=[e.name for e in engines])
     summary["max_send_lateness_s"] = outcome.max_send_lateness_s
+    if extra is not None:
+        summary["inspected"] = extra
     return summary, outcome.records
 
 
