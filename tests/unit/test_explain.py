@@ -154,7 +154,8 @@ def test_http_route_explain_true_false_and_bad(client: TestClient) -> None:
     assert rows["w0"]["matched_tokens"] == 64 and rows["w0"]["uncached_tokens"] == 0
     assert rows["w1"]["matched_tokens_by_tier"] == {"gpu": 32, "cpu": 0, "storage": 0}
     # the earlier routes are in flight on w0: its queue estimate is the explained load
-    assert rows["w0"]["chosen"] and "lowest cost" in rows["w0"]["reason"] and rows["w1"]["reason"] == "higher cost"
+    assert rows["w0"]["chosen"] and "lowest cost" in rows["w0"]["reason"]
+    assert rows["w1"]["reason"].startswith("higher cost: ") and "on w0 (uncached 32 vs 0 tokens" in rows["w1"]["reason"]
     for bad in ("yes", 1, None):
         resp = client.post("/route", json={"token_ids": A, "explain": bad})
         assert resp.status_code == 400
@@ -248,3 +249,44 @@ def test_reader_skips_and_counts_malformed_lines(tmp_path: Path) -> None:
     assert [d.request_id for d in reader] == ["good"] and reader.malformed == 3
     with pytest.raises(ConfigError, match="no such file"):
         DecisionLogReader(str(tmp_path / "missing.jsonl"))
+
+
+# --- the gateway's header ------------------------------------------------------------------------
+
+
+def test_explain_header_values() -> None:
+    from tokenspeed_router.gateway.explain import explain_requested
+    from tokenspeed_router.gateway.openai import OpenAIError
+
+    assert explain_requested(b"1") and explain_requested(b"TRUE ") and explain_requested(b"true")
+    assert not explain_requested(b"0") and not explain_requested(b"false") and not explain_requested(b"")
+    for bad in (b"yes", b"2", b"on"):
+        with pytest.raises(OpenAIError, match="x-tokenspeed-explain must be 1 or 0") as err:
+            explain_requested(bad)
+        assert err.value.status == 400 and err.value.param == "x-tokenspeed-explain"
+
+
+def test_route_header_fits_common_clients_and_stays_latin1() -> None:
+    from tokenspeed_router.gateway.explain import MAX_HEADER_BYTES, route_header
+
+    service = RouterService(ServerConfig(http=None))
+    try:
+        for i in range(60):  # 60 candidates: ~25 kB of JSON in full
+            service.apply_record(f"wörker-{i:02d}", 0, batch(stored(A[: 16 * (1 + i % 4)])), 1.0)
+        d = service.route(A, request_id="big", explain=True)
+    finally:
+        service.stop()
+    assert d.explanation is not None and len(d.explanation.candidates) == 60
+    value = route_header(d.explanation)
+    assert len(value) <= MAX_HEADER_BYTES and value.isascii()
+    ex = json.loads(value)
+    assert ex["worker"] == d.worker and ex["omitted"] == 60 - len(ex["candidates"]) > 0
+    kept = ex["candidates"]
+    assert kept[0]["worker"] == d.worker and kept[0]["chosen"]  # the chosen row first, then the cheapest
+    costs = [c["cost"] for c in kept[1:]]
+    assert costs == sorted(costs)
+    names = {c["worker"] for c in kept}
+    left_out = [c.cost for c in d.explanation.candidates if c.worker not in names]
+    assert max(costs) <= min(x for x in left_out if x is not None)  # what was left out cost more
+    small = json.loads(route_header(d.explanation, max_bytes=10**6))
+    assert "omitted" not in small and len(small["candidates"]) == 60
