@@ -95,6 +95,7 @@ def test_replay_under_another_policy_shows_what_it_would_have_cost(
     assert s["policy"] == "round_robin" and s["logged_policy"] == "kv_aware" and s["decisions"] == n
     assert s["agree"] < n
     assert s["uncached_tokens"]["policy"] > s["uncached_tokens"]["logged"]  # it ignores the prefixes
+    assert s["index_checked"] > 0 and s["index_agrees"] == s["index_checked"]  # the audit reads the index anyway
 
 
 def test_replay_before_the_events_arrived_is_not_the_same_as_after(

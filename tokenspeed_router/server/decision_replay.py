@@ -166,6 +166,7 @@ class Redecider:
 
     def __init__(self, config: RouterConfig, index: PrefixIndex | None = None) -> None:
         self._logged = _LoggedIndex() if index is None else None
+        self._index = index
         self._loads: dict[str, WorkerLoad] = {}
         self._now = 0.0
         self._members: dict[str, tuple[WorkerRole, bool, bool]] = {}
@@ -202,8 +203,11 @@ class Redecider:
         logged = d.chosen() or {}
         replayed: int | None = None
         agrees: bool | None = None
-        if self._logged is None:
-            replayed = again.indexed_tokens(d.worker)
+        if self._index is not None:
+            view = again.index_match
+            if view is None:  # a policy that reads no index: look once more, for the audit only
+                view = self._index.match_detail(tokens, d.lora_id, d.salt)
+            replayed = view.scores.get(d.worker, 0) * view.block_size.get(d.worker, 0)
             if logged.get("credit_source") in ("index", None) and not logged.get("cold"):
                 agrees = replayed == int(logged.get("matched_tokens") or 0)
         return Redecided(
