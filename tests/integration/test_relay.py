@@ -247,3 +247,28 @@ def test_relay_loopback_only_defaults_are_validated() -> None:
         except ConfigError:
             continue
         raise AssertionError(f"accepted {bad}")
+
+
+def test_relay_without_topic_republishes_under_the_engines_topic(ctx: Ctx) -> None:
+    """An engine publishing under ``kv`` behind a relay started without ``--topic``:
+    a router whose worker spec says ``topic=kv`` gets the whole view (it scored 0)."""
+    engine = Engine(ctx, buffer_steps=64, topic="kv")
+    relay = RelayThread(ctx, engine, buffer_steps=64)
+    try:
+        handshake(engine, relay)
+        prompts = workload(seed=5, n=20)
+        engine.run(prompts)
+        relay.wait_engine_seq(engine.last_seq)
+        view = RouterView(ctx, relay.relay.endpoint, relay.relay.replay_endpoint, topic="kv")
+        view.wait_seq(relay.last_seq, each=lambda: None)
+        assert relay.relay._publisher is not None and relay.relay._publisher.topic == "kv"
+        assert_same_as_engine(view, engine, prompts)
+        more = workload(seed=6, n=10)
+        engine.run(more)
+        relay.wait_engine_seq(engine.last_seq)
+        view.wait_seq(relay.last_seq)
+        assert_same_as_engine(view, engine, prompts + more)
+        view.close()
+    finally:
+        relay.close()
+        engine.close()
