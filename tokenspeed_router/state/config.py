@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from tokenspeed_router.errors import ConfigError
 
-__all__ = ["RedisStateConfig", "StateKeys"]
+__all__ = ["RedisStateConfig", "StateKeys", "join_url"]
 
 _SCHEMES = ("redis", "rediss", "unix")
 
@@ -147,7 +147,7 @@ class RedisStateConfig:
             else:
                 rest.append((key, value))
         query = "&".join(f"{k}={v}" for k, v in rest)
-        clean = urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment))
+        clean = join_url(parts.scheme, parts.netloc, parts.path, query, parts.fragment)
         ours.update(overrides)
         try:
             return cls(url=clean, **ours)
@@ -157,6 +157,15 @@ class RedisStateConfig:
     def with_(self, **changes: Any) -> RedisStateConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
+
+
+def join_url(scheme: str, netloc: str, path: str, query: str, fragment: str = "") -> str:
+    """``urlunsplit`` that keeps ``unix:///path`` whole (it writes ``unix:/path``,
+    which redis-py refuses: "unix" is not among the schemes it knows have a netloc)."""
+    url = urlunsplit((scheme, netloc, path, query, fragment))
+    if not netloc and scheme and url.startswith(f"{scheme}:/") and not url.startswith(f"{scheme}://"):
+        url = f"{scheme}://{url[len(scheme) + 1:]}"
+    return url
 
 
 _FLOATS = {"lease_ttl_s", "lease_renew_s", "snapshot_every_s", "backoff_min_s", "backoff_max_s",
