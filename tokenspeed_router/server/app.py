@@ -663,10 +663,16 @@ class RouterService:
         stats = self._loop.statistics() if self._loop is not None else {}
         with self._lock:
             peers = self._peer_load.peers() if self._peer_load is not None else {}
-            return worker_entries(
+            out = worker_entries(
                 self._workers, self._index, self._ingestor.statuses(), self._router.load(), stats, connected, now,
                 peers=peers,
             )
+        if self._peer_load is not None:
+            # other replicas' in-flight work: "shared", or "degraded" (Redis down: local view only)
+            sharing = "degraded" if getattr(self._peer_load, "degraded", False) else "shared"
+            for entry in out.values():
+                entry["in_flight_sharing"] = sharing
+        return out
 
     def health(self) -> dict[str, Any]:
         """``GET /health``: a cheap summary, and whether routing can be trusted.
@@ -689,6 +695,8 @@ class RouterService:
         status = "ok" if self._serving or self._loop is None else "stopping"
         if problems and status == "ok":
             status = "unavailable"
+        if status == "ok" and state is not None and state.get("sharing") == "degraded":
+            status = "degraded"  # serving on this replica's view of in-flight work only
         return {
             "status": status,
             "problems": problems,

@@ -77,6 +77,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mark a worker stale after its endpoint has been unreachable for S seconds (default 10)",
     )
     parser.add_argument("--replay-timeout-s", type=float, metavar="S", help="gap replay timeout (default 2)")
+    parser.add_argument(
+        "--processes", type=int, metavar="N", default=1,
+        help="run N gateway processes on the one --http port (SO_REUSEPORT), sharing in-flight work "
+        "through --state, or through a private redis-server when --state is not given (docs/replicas.md)",
+    )
+    parser.add_argument(
+        "--reuse-port", action="store_true",
+        help="bind the HTTP port with SO_REUSEPORT, so other processes may listen on it too",
+    )
     add_gateway_arguments(parser)
     add_explain_arguments(parser)
     add_listener_arguments(parser)
@@ -166,18 +175,37 @@ def resolve_state_sink(url: str) -> Callable[[Any], Any]:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    processes = getattr(args, "processes", 1)
+    if processes != 1:
+        return _supervise(args, config, processes)
     if not config.workers:
         logger.warning("no workers configured: add them with PUT /workers/{name} or --worker")
     sink_factory = resolve_state_sink(config.state) if config.state else None
     previous_interval = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
-        return _serve(config, sink_factory)
+        return _serve(config, sink_factory, reuse_port=getattr(args, "reuse_port", False))
     finally:
         sys.setswitchinterval(previous_interval)
 
 
-def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None) -> int:
+def _supervise(args: argparse.Namespace, config: ServerConfig, processes: int) -> int:
+    """``--processes N``: N ``serve`` children on one port (``server/processes.py``)."""
+    from tokenspeed_router.server.processes import supervise_from_args
+
+    if processes < 1:
+        raise ConfigError(f"--processes must be at least 1, got {processes}")
+    if config.zmq_api is not None:
+        raise ConfigError("--processes N cannot share one --zmq-api endpoint: use the HTTP API")
+    if config.record is not None:
+        raise ConfigError("--processes N cannot write one --record log from N processes")
+    if config.state is not None:
+        resolve_state_sink(config.state)  # a bad URL fails here, not N times in the children
+    argv = getattr(args, "argv", None) or sys.argv[1:]
+    return supervise_from_args(argv, processes, config.http, config.state)
+
+
+def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None, *, reuse_port: bool = False) -> int:
     from tokenspeed_router.server import gc_policy
     from tokenspeed_router.server.app import RouterService
     from tokenspeed_router.server.http import HttpServer
@@ -195,7 +223,7 @@ def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None) -> i
 
     try:
         if config.http is not None:
-            http = HttpServer(service, config.http)
+            http = HttpServer(service, config.http, reuse_port=reuse_port)
         if config.zmq_api is not None:
             zmq_api = ZmqApiServer(service, config.zmq_api)
         with shutdown_signals(request_stop):

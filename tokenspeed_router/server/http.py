@@ -309,14 +309,14 @@ class HttpServer:
     when installed (``uvicorn[standard]``), the pure-Python h11 stack otherwise.
     """
 
-    def __init__(self, service: RouterService, address: HostPort) -> None:
+    def __init__(self, service: RouterService, address: HostPort, *, reuse_port: bool = False) -> None:
         if not is_loopback_host(address.host):
             auth = service.config.auth_token is not None
             logger.log(
                 logging.INFO if auth else logging.WARNING,
                 "HTTP API listening on non-loopback %s (auth %s)", address, "on" if auth else "OFF",
             )
-        self._sock = bind_socket(address)
+        self._sock = bind_socket(address, reuse_port=reuse_port)
         self.address = HostPort(address.host, self._sock.getsockname()[1])
         self._app = create_app(service)
         self.loop_lag = LoopLag()
