@@ -81,8 +81,8 @@ SCENARIOS = ("pressure", "restart", "replicas")
 DEFAULT_SCENARIOS = ("pressure", "restart")
 PROFILES = ("fifo", "chunked")
 #: the metrics a cell summarises over its runs (median, min, max)
-CELL_METRICS = ("ttft_p50_s", "ttft_p99_s", "hit_ratio", "spread_max_over_mean", "router_added_p50_s",
-                "router_added_p99_s", "errors")
+CELL_METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "e2e_p99_s", "hit_ratio", "spread_max_over_mean",
+                "router_added_p50_s", "router_added_p99_s", "errors")
 NUM_ENGINES = 4
 PROMPT_SCALE = 0.125
 MAX_OUTPUT_TOKENS = 64
