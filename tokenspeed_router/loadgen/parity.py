@@ -194,7 +194,7 @@ class Tolerances:
 
     worker_share: float = 0.05
     share_sigmas: float = 2.0
-    hit_points: float = 0.03
+    hit_points: float = 0.04
     ttft_p50: float = 0.25
     ttft_p99: float = 0.35
     ttft_floor_s: float = 0.05
