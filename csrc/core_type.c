@@ -111,49 +111,57 @@ static void Core_dealloc(Core *c) {
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
+/* register(name): a new worker, last in order, in the lowest free slot (slots
+ * of removed workers are reused, so churn does not grow the tables). Any
+ * number of workers: the holder masks widen by one word per 64 slots. */
 static PyObject *Core_register(Core *c, PyObject *name) {
     if (!PyUnicode_Check(name)) {
         PyErr_SetString(PyExc_TypeError, "worker name must be str");
         return NULL;
     }
-    if (PyDict_Contains(c->slot_of, name)) Py_RETURN_NONE;
+    int known = PyDict_Contains(c->slot_of, name);
+    if (known < 0) return NULL;
+    if (known) Py_RETURN_NONE;
     int s = 0;
     while (s < c->nslots && c->w[s].used) s++;
-    wlock(c);
-    if (s == c->nslots) {
-        Worker *nw = realloc(c->w, (size_t)(s + 1) * sizeof(Worker));
-        int *no = realloc(c->order, (size_t)(s + 1) * sizeof(int));
-        if (nw) c->w = nw;
-        if (no) c->order = no;
-        if (!nw || !no) {
-            unlock(c);
-            return PyErr_NoMemory();
-        }
-        memset(&c->w[s], 0, sizeof(Worker));
-        c->w[s].ext.nval = 1;
-        c->w[s].aux.nval = 1;
-        c->nslots++;
-    }
-    if ((size_t)s >= 64 * W_OF(c)) {
-        if (g_rehash(&c->glob, c->glob.cap, W_OF(c) + 1) < 0) {
-            unlock(c);
-            return PyErr_NoMemory();
-        }
-    }
-    Worker *w = &c->w[s];
-    w->used = 1;
-    Py_INCREF(name);
-    w->name = name;
-    w->block_size = 0;
-    c->order[c->norder++] = s;
-    c->version++;
-    unlock(c);
+    /* the name first: if the tables cannot grow, it is taken out again */
     PyObject *v = PyLong_FromLong(s);
-    if (!v || PyDict_SetItem(c->slot_of, name, v) < 0) {
-        Py_XDECREF(v);
-        return NULL;
-    }
+    if (!v) return NULL;
+    int r = PyDict_SetItem(c->slot_of, name, v);
     Py_DECREF(v);
+    if (r < 0) return NULL;
+    int err = 0;
+    wlock(c);
+    if (s == c->capslots) {
+        int cap = c->capslots ? 2 * c->capslots : 8;
+        Worker *nw = realloc(c->w, (size_t)cap * sizeof(Worker));
+        if (nw) c->w = nw;
+        int *no = nw ? realloc(c->order, (size_t)cap * sizeof(int)) : NULL;
+        if (no) c->order = no;
+        if (no) c->capslots = cap;
+        else err = 1;
+    }
+    if (!err && (size_t)s >= 64 * W_OF(c) && g_rehash(&c->glob, c->glob.cap, W_OF(c) + 1) < 0) err = 1;
+    if (!err) {
+        if (s == c->nslots) {
+            memset(&c->w[s], 0, sizeof(Worker));
+            c->w[s].ext.nval = 1;
+            c->w[s].aux.nval = 1;
+            c->nslots++;
+        }
+        Worker *w = &c->w[s];
+        w->used = 1;
+        Py_INCREF(name);
+        w->name = name;
+        w->block_size = 0;
+        c->order[c->norder++] = s;
+        c->version++;
+    }
+    unlock(c);
+    if (err) {
+        if (PyDict_DelItem(c->slot_of, name) < 0) PyErr_Clear();
+        return PyErr_NoMemory();
+    }
     Py_RETURN_NONE;
 }
 
@@ -238,14 +246,14 @@ static PyObject *Core_store(Core *c, PyObject *args) {
         return NULL;
     }
     long added = 0, dup = 0;
-    int unknown = 0;
+    int unknown = 0, err = 0;
     PyThreadState *ts = NULL;
     if (n >= RELEASE_GIL_BLOCKS) ts = PyEval_SaveThread();
     wlock(c);
     u64 h = root;
     if (parent != Py_None) {
         Worker *w = &c->w[s];
-        Py_ssize_t i = tab_find(&w->ext, pkey);
+        Py_ssize_t i = ext_find(w, pkey, pkind);
         if (i < 0) {
             unknown = 1;
         } else {
@@ -257,9 +265,12 @@ static PyObject *Core_store(Core *c, PyObject *args) {
         /* Hash every block first, prefetching the table slots each will touch,
          * then insert: the inserts' cache misses overlap instead of queueing. */
         Worker *w = &c->w[s];
-        if (tab_reserve(&w->ext, (size_t)n) < 0 || g_reserve(&c->glob, (size_t)n) < 0) c->oom = 1;
+        /* room for the whole event first (slots stay put while prefetched) */
+        if (tab_reserve(&w->ext, (size_t)n) < 0 || g_reserve(&c->glob, (size_t)n) < 0 ||
+            tab_reserve(&w->aux, (size_t)(unm || tier != GPU ? n : n - nfull)) < 0)
+            err = E_NOMEM;
         enum { D = 12 };
-        for (Py_ssize_t i = 0; i < n + D && !c->oom; i++) {
+        for (Py_ssize_t i = 0; i < n + D && !err; i++) {
             if (i < n) {
                 if (i < nfull)
                     h = chain(toks + i * bs, (size_t)bs, h);
@@ -272,6 +283,10 @@ static PyObject *Core_store(Core *c, PyObject *args) {
             Py_ssize_t k = i - D;
             if (k < 0) continue;
             int r = hold_block(c, s, keys[k], kinds[k], toks[k], unm || k >= nfull, (u8)tier);
+            if (r < 0) {
+                err = r;
+                break;
+            }
             added += r;
             dup += 1 - r;
         }
@@ -281,10 +296,7 @@ static PyObject *Core_store(Core *c, PyObject *args) {
     free(toks);
     free(keys);
     free(kinds);
-    if (c->oom) {
-        c->oom = 0;
-        return PyErr_NoMemory();
-    }
+    if (err) return PyErr_NoMemory();
     if (unknown) Py_RETURN_NONE;
     return Py_BuildValue("ll", added, dup);
 }
@@ -323,21 +335,32 @@ static PyObject *Core_store_hashed(Core *c, PyObject *args) {
         goto bad;
     }
     long added = 0, dup = 0;
-    int unknown = 0, punm = 0;
+    int unknown = 0, punm = 0, err = 0;
+    Py_ssize_t nflagged = 0;
+    for (Py_ssize_t i = 0; fl && i < n; i++) nflagged += fl[i] != 0;
     PyThreadState *ts = NULL;
     if (n >= RELEASE_GIL_BLOCKS) ts = PyEval_SaveThread();
     wlock(c);
     if (parent != Py_None) {
         Worker *w = &c->w[s];
-        Py_ssize_t i = tab_find(&w->ext, pkey);
+        Py_ssize_t i = ext_find(w, pkey, pkind);
         if (i < 0)
             unknown = 1;
         else
             punm = (w->ext.meta[i] & M_UNM) != 0;
     }
     if (!unknown) {
-        for (Py_ssize_t i = 0; i < n; i++) {
+        Worker *w = &c->w[s];
+        /* room for the whole event first */
+        if (tab_reserve(&w->ext, (size_t)n) < 0 || g_reserve(&c->glob, (size_t)n) < 0 ||
+            tab_reserve(&w->aux, (size_t)(punm || tier != GPU ? n : nflagged)) < 0)
+            err = E_NOMEM;
+        for (Py_ssize_t i = 0; i < n && !err; i++) {
             int r = hold_block(c, s, keys[i], kinds[i], cs[i], punm || (fl && fl[i]), (u8)tier);
+            if (r < 0) {
+                err = r;
+                break;
+            }
             added += r;
             dup += 1 - r;
         }
@@ -347,10 +370,7 @@ static PyObject *Core_store_hashed(Core *c, PyObject *args) {
     free(cs);
     free(keys);
     free(kinds);
-    if (c->oom) {
-        c->oom = 0;
-        return PyErr_NoMemory();
-    }
+    if (err) return PyErr_NoMemory();
     if (unknown) Py_RETURN_NONE;
     return Py_BuildValue("ll", added, dup);
 bad:
@@ -396,23 +416,26 @@ static PyObject *Core_remove(Core *c, PyObject *args) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     u64 *keys = malloc((size_t)(n ? n : 1) * sizeof(u64));
+    u8 *kinds = malloc((size_t)(n ? n : 1));
     u8 *valid = malloc((size_t)(n ? n : 1));
-    if (!keys || !valid) {
+    if (!keys || !kinds || !valid) {
         free(keys);
+        free(kinds);
         free(valid);
         Py_DECREF(seq);
         return PyErr_NoMemory();
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        u8 kind;
-        valid[i] = ext_key(items[i], &keys[i], &kind) == 0;
+        valid[i] = ext_key(items[i], &keys[i], &kinds[i]) == 0;
         if (!valid[i]) { /* an id of no known shape is simply unknown */
             PyErr_Clear();
             keys[i] = 0;
+            kinds[i] = 0;
         }
     }
     Py_DECREF(seq);
     long removed = 0, unknown = 0, mismatch = 0;
+    int err = 0;
     PyThreadState *ts = NULL;
     if (n >= RELEASE_GIL_BLOCKS) ts = PyEval_SaveThread();
     wlock(c);
@@ -426,13 +449,17 @@ static PyObject *Core_remove(Core *c, PyObject *args) {
             if (i < n) tab_prefetch(&w->ext, keys[i]);
             Py_ssize_t j = i - D2;
             if (j >= 0 && j < n) {
-                Py_ssize_t x = tab_find(&w->ext, keys[j]);
+                Py_ssize_t x = ext_find(w, keys[j], kinds[j]);
                 if (x >= 0) g_prefetch(&c->glob, w->ext.vals[x]);
             }
             Py_ssize_t k = i - D1;
             if (k < 0) continue;
             int mm = 0;
-            int r = valid[k] ? drop_block(c, s, keys[k], (u8)tier, unspecified, &mm) : -1;
+            int r = valid[k] ? drop_block(c, s, keys[k], kinds[k], (u8)tier, unspecified, &mm) : -1;
+            if (r == E_NOMEM) {
+                err = r;
+                break;
+            }
             if (r < 0)
                 unknown++;
             else
@@ -443,11 +470,9 @@ static PyObject *Core_remove(Core *c, PyObject *args) {
     unlock(c);
     if (ts) PyEval_RestoreThread(ts);
     free(keys);
+    free(kinds);
     free(valid);
-    if (c->oom) {
-        c->oom = 0;
-        return PyErr_NoMemory();
-    }
+    if (err) return PyErr_NoMemory();
     if (prune_bytes(c, s) < 0) return NULL;
     return Py_BuildValue("lll", removed, unknown, mismatch);
 }
@@ -459,18 +484,15 @@ static PyObject *Core_clear(Core *c, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Oi", &name, &tier)) return NULL;
     int s = slot_lookup(c, name);
     if (s < 0) return NULL;
-    size_t gone;
+    Py_ssize_t gone;
     Py_BEGIN_ALLOW_THREADS
     wlock(c);
     gone = clear_blocks(c, s, (u8)tier);
     unlock(c);
     Py_END_ALLOW_THREADS
     if (c->w[s].ext.len == 0 && !c->logging) Py_CLEAR(c->w[s].bytes_ids);
-    if (c->oom) {
-        c->oom = 0;
-        return PyErr_NoMemory();
-    }
-    return PyLong_FromSize_t(gone);
+    if (gone < 0) return PyErr_NoMemory();
+    return PyLong_FromSsize_t(gone);
 }
 
 static PyObject *Core_begin(Core *c, PyObject *unused) {
@@ -483,22 +505,21 @@ static PyObject *Core_begin(Core *c, PyObject *unused) {
 
 static PyObject *Core_commit(Core *c, PyObject *unused) {
     wlock(c);
-    c->nlog = 0;
-    c->logging = 0;
+    commit_batch(c);
     unlock(c);
     Py_RETURN_NONE;
 }
 
 static PyObject *Core_rollback(Core *c, PyObject *unused) {
+    int err;
     Py_BEGIN_ALLOW_THREADS
     wlock(c);
-    undo_all(c);
-    c->logging = 0;
+    err = undo_all(c);
     unlock(c);
     Py_END_ALLOW_THREADS
-    if (c->oom) {
-        c->oom = 0;
-        return PyErr_NoMemory();
+    if (err) {
+        PyErr_SetString(PyExc_MemoryError, "rollback could not restore every block: clear the worker and resync it");
+        return NULL;
     }
     Py_RETURN_NONE;
 }
@@ -514,9 +535,10 @@ static PyObject *do_match(Core *c, PyObject *args, int detail) {
     Py_ssize_t ntok = toks.ntok;
     MatchOut out;
     PyObject *result = NULL;
+    int werr = 0;
     for (;;) {
         int ns = c->nslots;
-        out.nslots = ns;
+        werr = 0;
         out.scores = calloc((size_t)(ns ? ns : 1), sizeof(long));
         out.tiers = calloc((size_t)(ns ? ns : 1) * 3, sizeof(long));
         if (!out.scores || !out.tiers) {
@@ -531,13 +553,13 @@ static PyObject *do_match(Core *c, PyObject *args, int detail) {
             Py_BEGIN_ALLOW_THREADS
             rlock(c);
             version = c->version;
-            if (c->nslots == ns) walk(c, &toks, root, detail, &out);
+            if (c->nslots == ns) werr = walk(c, &toks, root, detail, &out);
             unlock(c);
             Py_END_ALLOW_THREADS
         } else {
             rlock(c);
             version = c->version;
-            walk(c, &toks, root, detail, &out);
+            werr = walk(c, &toks, root, detail, &out);
             unlock(c);
         }
         if (toks.err || toks.slow) {
@@ -563,8 +585,7 @@ static PyObject *do_match(Core *c, PyObject *args, int detail) {
         free(out.tiers);
     }
     toks_close(&toks);
-    if (c->oom) {
-        c->oom = 0;
+    if (werr) {
         free(out.scores);
         free(out.tiers);
         return PyErr_NoMemory();
@@ -676,7 +697,7 @@ static PyObject *Core_items(Core *c, PyObject *name) {
             vals[k] = w->ext.vals[i];
             meta[k] = w->ext.meta[i];
             u32 refs;
-            aux_get(w, ckey_of(vals[k], (meta[k] & M_UNM) != 0), &refs, &tiers[k]);
+            aux_get(w, vals[k], (meta[k] & M_UNM) != 0, &refs, &tiers[k]);
             k++;
         }
     }

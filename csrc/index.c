@@ -1,18 +1,23 @@
 /* The index core (index.h): block semantics, undo log, match walk. */
 #include "index.h"
 
-static void log_push(Core *c, u8 op, int slot, u64 key, u64 val, u8 meta) {
+/* ---- undo log */
+
+/* Room for k more log entries (nothing to do outside a batch). */
+static inline int log_reserve(Core *c, size_t k) {
+    if (!c->logging || c->nlog + k <= c->caplog) return 0;
+    size_t cap = c->caplog ? c->caplog : 256;
+    while (c->nlog + k > cap) cap *= 2;
+    Undo *n = realloc(c->log, cap * sizeof(Undo));
+    if (!n) return E_NOMEM;
+    c->log = n;
+    c->caplog = cap;
+    return 0;
+}
+
+/* Record one change; the caller reserved the room (log_reserve). */
+static inline void log_push(Core *c, u8 op, int slot, u64 key, u64 val, u8 meta) {
     if (!c->logging) return;
-    if (c->nlog == c->caplog) {
-        size_t cap = c->caplog ? c->caplog * 2 : 256;
-        Undo *n = realloc(c->log, cap * sizeof(Undo));
-        if (!n) {
-            c->oom = 1;
-            return;
-        }
-        c->log = n;
-        c->caplog = cap;
-    }
     Undo *u = &c->log[c->nlog++];
     u->op = op;
     u->slot = slot;
@@ -21,15 +26,18 @@ static void log_push(Core *c, u8 op, int slot, u64 key, u64 val, u8 meta) {
     u->meta = meta;
 }
 
+/* An emptied table gives its memory back, except while a batch may undo into
+ * it: a rollback must find every entry's room where it was (no allocation). */
+static inline void tab_release_if_empty(const Core *c, Tab *t) {
+    if (!t->len && t->cap && !c->logging && !c->undoing) tab_free(t);
+}
+
 /* ---- holders */
 
-/* Set slot s's bit on content (one probe); 1 if it was not set. */
+/* Set slot s's bit on content; 1 if it was not set, 0 if it was, E_NOMEM. */
 static int hold_add(Core *c, int s, u64 content) {
     GTab *t = &c->glob;
-    if (g_reserve(t, 1) < 0) {
-        c->oom = 1;
-        return 0;
-    }
+    if (g_reserve(t, 1) < 0) return E_NOMEM;
     size_t W = t->W, st = 1 + W, m = t->cap - 1, i = g_home(t, content);
     u64 *p;
     for (;;) {
@@ -49,8 +57,6 @@ static int hold_add(Core *c, int s, u64 content) {
     return 1;
 }
 
-static void hold_set(Core *c, int s, u64 content) { hold_add(c, s, content); }
-
 static void hold_clr(Core *c, int s, u64 content) {
     GTab *t = &c->glob;
     Py_ssize_t i = g_find(t, content);
@@ -68,13 +74,10 @@ static void hold_clr(Core *c, int s, u64 content) {
 static int ext_put(Core *c, int s, u64 key, u64 content, u8 meta) {
     Worker *w = &c->w[s];
     Py_ssize_t i = tab_insert(&w->ext, key, meta);
-    if (i < 0) {
-        c->oom = 1;
-        return -1;
-    }
+    if (i < 0) return E_NOMEM;
     w->ext.vals[i] = content;
     if (!(meta & M_UNM)) w->n_matchable++;
-    log_push(c, U_EXT_INS, s, key, 0, 0);
+    log_push(c, U_EXT_INS, s, key, 0, meta & M_KIND);
     return 0;
 }
 
@@ -84,100 +87,89 @@ static void ext_del_at(Core *c, int s, size_t i) {
     log_push(c, U_EXT_DEL, s, w->ext.keys[i], w->ext.vals[i], meta);
     if (!(meta & M_UNM)) w->n_matchable--;
     tab_erase_at(&w->ext, i);
+    tab_release_if_empty(c, &w->ext);
 }
 
-/* ---- aux entries: content key -> refs, tiers (default: 1, GPU) */
+/* ---- aux entries */
 
-/* refs == 0 deletes; a matchable content with refs 1 on GPU alone needs no entry */
-static void aux_put(Core *c, int s, u64 ckey, u32 refs, u8 tiers, int unm) {
+/* Set (content, unm)'s refs and tiers; refs == 0 deletes, and a matchable
+ * content with refs 1 on GPU alone needs no entry. E_NOMEM only when an entry
+ * is new and the table is full (callers reserve one slot first). */
+static int aux_put(Core *c, int s, u64 content, u32 refs, u8 tiers, int unm) {
     Worker *w = &c->w[s];
-    Py_ssize_t i = tab_find(&w->aux, ckey);
+    Py_ssize_t i = aux_find(w, content, unm);
+    int keep = refs > 0 && (unm || refs > 1 || tiers != GPU);
+    if (i < 0 && keep && (w->aux.len + 1) * 4 > w->aux.cap * 3 && tab_reserve(&w->aux, 1) < 0) return E_NOMEM;
     if (i >= 0) {
-        log_push(c, U_AUX, s, ckey, w->aux.vals[i], w->aux.meta[i]);
+        log_push(c, U_AUX, s, content, w->aux.vals[i], w->aux.meta[i]);
         if ((w->aux.vals[i] & 0xff) != GPU) w->n_aux_tier--;
     } else {
-        log_push(c, U_AUX, s, ckey, 0, 0);
+        log_push(c, U_AUX, s, content, 0, unm ? M_UNM : 0); /* meta without M_USED: absent before */
     }
-    int keep = refs > 0 && (unm || refs > 1 || tiers != GPU);
     if (!keep) {
-        if (i >= 0) tab_erase_at(&w->aux, (size_t)i);
-        return;
-    }
-    if (i < 0) {
-        i = tab_insert(&w->aux, ckey, unm ? M_UNM : 0);
-        if (i < 0) {
-            c->oom = 1;
-            return;
+        if (i >= 0) {
+            tab_erase_at(&w->aux, (size_t)i);
+            tab_release_if_empty(c, &w->aux);
         }
+        return 0;
     }
+    if (i < 0) i = tab_insert(&w->aux, content, unm ? M_UNM : 0); /* room reserved above */
     w->aux.vals[i] = ((u64)refs << 8) | tiers;
     if (tiers != GPU) w->n_aux_tier++;
+    return 0;
 }
-
-static inline int aux_has(const Worker *w, u64 ckey) { return tab_find(&w->aux, ckey) >= 0; }
 
 /* ---- block semantics */
 
-/* Record that slot s holds content as external key on tier `code`: 1 new, 0 duplicate. */
 int hold_block(Core *c, int s, u64 key, u8 kind, u64 content, int unm, u8 code) {
     Worker *w = &c->w[s];
+    /* Room first (three log entries at most, one slot in each table): past
+     * this point nothing can fail, so the block is recorded whole or not at all. */
+    if (tab_reserve(&w->ext, 1) < 0 || tab_reserve(&w->aux, 1) < 0 || (!unm && g_reserve(&c->glob, 1) < 0) ||
+        log_reserve(c, 3) < 0)
+        return E_NOMEM;
     Tab *t = &w->ext;
     u32 refs;
     u8 cur;
-    if (t->cap && (t->len + 1) * 4 <= t->cap * 3) {
-        /* one probe: either the key's slot or the empty slot it goes to */
-        size_t m = t->cap - 1, j = tab_home(t, key);
-        while (t->meta[j] && t->keys[j] != key) j = (j + 1) & m;
-        if (!t->meta[j]) {
-            t->keys[j] = key;
-            t->meta[j] = kind | (unm ? M_UNM : 0) | M_USED;
-            t->vals[j] = content;
-            t->len++;
-            if (!unm) w->n_matchable++;
-            log_push(c, U_EXT_INS, s, key, 0, 0);
-            goto fresh_ext;
-        }
-    }
-    Py_ssize_t i = tab_find(&w->ext, key);
-    if (i >= 0) {
-        int punm = (w->ext.meta[i] & M_UNM) != 0;
-        u64 ck = ckey_of(w->ext.vals[i], punm);
-        aux_get(w, ck, &refs, &cur);
-        if ((cur | code) != cur) aux_put(c, s, ck, refs, cur | code, punm);
+    /* one probe: either the id's slot or the empty slot it goes to */
+    size_t m = t->cap - 1, j = tab_home(t, key);
+    while (t->meta[j] && (t->keys[j] != key || (t->meta[j] & M_KIND) != kind)) j = (j + 1) & m;
+    if (t->meta[j]) { /* a known id: at most one more tier */
+        int punm = (t->meta[j] & M_UNM) != 0;
+        u64 pc = t->vals[j];
+        aux_get(w, pc, punm, &refs, &cur);
+        if ((cur | code) != cur) aux_put(c, s, pc, refs, cur | code, punm);
         return 0;
     }
-    if (ext_put(c, s, key, content, kind | (unm ? M_UNM : 0)) < 0) return 0;
-fresh_ext:;
-    u64 ck = ckey_of(content, unm);
-    int fresh;
-    if (!unm) {
-        fresh = hold_add(c, s, content);
-    } else {
-        fresh = !aux_has(w, ck);
-    }
+    t->keys[j] = key;
+    t->meta[j] = kind | (unm ? M_UNM : 0) | M_USED;
+    t->vals[j] = content;
+    t->len++;
+    if (!unm) w->n_matchable++;
+    log_push(c, U_EXT_INS, s, key, 0, kind);
+    int fresh = unm ? aux_find(w, content, 1) < 0 : hold_add(c, s, content);
     if (fresh) {
-        if (unm || code != GPU) aux_put(c, s, ck, 1, code, unm);
-    } else {
-        aux_get(w, ck, &refs, &cur);
-        aux_put(c, s, ck, refs + 1, cur | code, unm);
+        if (unm || code != GPU) aux_put(c, s, content, 1, code, unm);
+    } else { /* an alias: another external id for content the worker holds */
+        aux_get(w, content, unm, &refs, &cur);
+        aux_put(c, s, content, refs + 1, cur | code, unm);
     }
     return 1;
 }
 
-/* Remove tier `code` of external key: 1 gone, 0 still held (or mismatch: *mismatch=1), -1 unknown. */
-int drop_block(Core *c, int s, u64 key, u8 code, int unspecified, int *mismatch) {
+int drop_block(Core *c, int s, u64 key, u8 kind, u8 code, int unspecified, int *mismatch) {
     Worker *w = &c->w[s];
-    Py_ssize_t i = tab_find(&w->ext, key);
+    Py_ssize_t i = ext_find(w, key, kind);
     if (i < 0) return -1;
+    if (log_reserve(c, 3) < 0) return E_NOMEM; /* drops never grow a table: the log is all */
     u64 content = w->ext.vals[i];
     int unm = (w->ext.meta[i] & M_UNM) != 0;
-    u64 ck = ckey_of(content, unm);
     u32 refs;
     u8 cur;
-    aux_get(w, ck, &refs, &cur);
+    aux_get(w, content, unm, &refs, &cur);
     if (refs > 1) {
         ext_del_at(c, s, (size_t)i);
-        aux_put(c, s, ck, refs - 1, cur, unm);
+        aux_put(c, s, content, refs - 1, cur, unm);
         return 1;
     }
     u8 rm = code;
@@ -188,22 +180,22 @@ int drop_block(Core *c, int s, u64 key, u8 code, int unspecified, int *mismatch)
         return 0;
     }
     if (left) {
-        aux_put(c, s, ck, 1, left, unm);
+        aux_put(c, s, content, 1, left, unm);
         return 0;
     }
     ext_del_at(c, s, (size_t)i);
-    aux_put(c, s, ck, 0, 0, unm);
+    aux_put(c, s, content, 0, 0, unm);
     if (!unm) hold_clr(c, s, content);
     return 1;
 }
 
-size_t clear_blocks(Core *c, int s, u8 code) {
+Py_ssize_t clear_blocks(Core *c, int s, u8 code) {
     Worker *w = &c->w[s];
-    size_t gone = 0;
+    Py_ssize_t gone = 0;
     if (code == ALL_TIERS && !c->logging) {
         for (size_t i = 0; i < w->ext.cap; i++)
             if (w->ext.meta[i] && !(w->ext.meta[i] & M_UNM)) hold_clr(c, s, w->ext.vals[i]);
-        gone = w->ext.len;
+        gone = (Py_ssize_t)w->ext.len;
         tab_free(&w->ext);
         tab_free(&w->aux);
         w->n_matchable = 0;
@@ -213,60 +205,88 @@ size_t clear_blocks(Core *c, int s, u8 code) {
     size_t n = w->ext.len;
     if (!n) return 0;
     u64 *keys = malloc(n * sizeof(u64));
-    if (!keys) {
-        c->oom = 1;
-        return 0;
+    u8 *kinds = malloc(n);
+    if (!keys || !kinds) {
+        free(keys);
+        free(kinds);
+        return E_NOMEM;
     }
     size_t k = 0;
     for (size_t i = 0; i < w->ext.cap; i++)
-        if (w->ext.meta[i]) keys[k++] = w->ext.keys[i];
+        if (w->ext.meta[i]) {
+            keys[k] = w->ext.keys[i];
+            kinds[k++] = w->ext.meta[i] & M_KIND;
+        }
     for (size_t j = 0; j < k; j++) {
-        Py_ssize_t i = tab_find(&w->ext, keys[j]);
+        Py_ssize_t i = ext_find(w, keys[j], kinds[j]);
         if (i < 0) continue;
         int unm = (w->ext.meta[i] & M_UNM) != 0;
-        u64 ck = ckey_of(w->ext.vals[i], unm);
+        u64 content = w->ext.vals[i];
         u32 refs;
         u8 cur;
-        aux_get(w, ck, &refs, &cur);
+        aux_get(w, content, unm, &refs, &cur);
         if (!(cur & code)) continue;
         u8 left = cur & (u8)~code;
+        int r;
         if (left) {
-            aux_put(c, s, ck, refs, left, unm);
+            r = log_reserve(c, 1);
+            if (r == 0) aux_put(c, s, content, refs, left, unm); /* an existing entry: no insert */
         } else {
             int mm = 0;
-            int r = drop_block(c, s, keys[j], code, 0, &mm);
-            if (r > 0) gone += (size_t)r;
+            r = drop_block(c, s, keys[j], kinds[j], code, 0, &mm);
+            if (r > 0) gone += r;
+        }
+        if (r == E_NOMEM) {
+            gone = E_NOMEM;
+            break;
         }
     }
     free(keys);
+    free(kinds);
     return gone;
 }
 
-void undo_all(Core *c) {
-    int was = c->logging;
+/* Give back the memory of the tables the batch emptied (they were kept for a
+ * rollback), then forget the log. */
+static void batch_end(Core *c, size_t nlog) {
     c->logging = 0;
-    while (c->nlog) {
-        Undo *u = &c->log[--c->nlog];
+    for (size_t k = 0; k < nlog; k++) {
+        Worker *w = &c->w[c->log[k].slot];
+        tab_release_if_empty(c, &w->ext);
+        tab_release_if_empty(c, &w->aux);
+    }
+    c->nlog = 0;
+}
+
+void commit_batch(Core *c) { batch_end(c, c->nlog); }
+
+int undo_all(Core *c) {
+    int err = 0;
+    size_t n0 = c->nlog;
+    c->logging = 0;
+    c->undoing = 1;
+    for (size_t k = n0; k-- > 0;) {
+        Undo *u = &c->log[k];
         Worker *w = &c->w[u->slot];
         Py_ssize_t i;
         switch (u->op) {
         case U_EXT_INS:
-            i = tab_find(&w->ext, u->key);
+            i = ext_find(w, u->key, u->meta & M_KIND);
             if (i >= 0) ext_del_at(c, u->slot, (size_t)i);
             break;
         case U_EXT_DEL:
-            ext_put(c, u->slot, u->key, u->val, u->meta & (u8)~M_USED);
+            if (ext_put(c, u->slot, u->key, u->val, u->meta & (u8)~M_USED) < 0) err = E_NOMEM;
             break;
         case U_AUX:
-            i = tab_find(&w->aux, u->key);
+            i = aux_find(w, u->key, (u->meta & M_UNM) != 0);
             if (i >= 0) {
                 if ((w->aux.vals[i] & 0xff) != GPU) w->n_aux_tier--;
                 tab_erase_at(&w->aux, (size_t)i);
             }
-            if (u->meta) {
+            if (u->meta & M_USED) { /* the entry existed: put it back */
                 i = tab_insert(&w->aux, u->key, u->meta & (u8)~M_USED);
                 if (i < 0) {
-                    c->oom = 1;
+                    err = E_NOMEM;
                     break;
                 }
                 w->aux.vals[i] = u->val;
@@ -277,102 +297,148 @@ void undo_all(Core *c) {
             hold_clr(c, u->slot, u->key);
             break;
         case U_HOLD_CLR:
-            hold_set(c, u->slot, u->key);
+            if (hold_add(c, u->slot, u->key) < 0) err = E_NOMEM;
             break;
         }
     }
-    c->logging = was;
+    c->undoing = 0;
+    batch_end(c, n0);
+    return err;
 }
 
 /* ------------------------------------------------------------------ matching */
 
 #define MATCH_AHEAD 16 /* blocks hashed (and their slots prefetched) ahead of the lookup */
 
-/* Walk every block-size group; lock held by the caller. */
-void walk(Core *c, Toks *t, u64 root, int detail, MatchOut *out) {
+/* Scratch of one walk: on the stack for small fleets, else one allocation. */
+enum { SMALL_WORKERS = 64, SMALL_WORDS = 8 };
+
+/* Walk one block-size group: score its workers (alive = the group's mask,
+ * act = the words of it with a bit set) and fill hashes[0..depth). */
+static Py_ssize_t walk_group(const Core *c, Toks *t, u64 root, long bs, u64 *alive, int *act, int nact,
+                             u64 *hashes, MatchOut *out) {
+    const GTab *g = &c->glob;
+    size_t st = 1 + g->W;
+    Py_ssize_t nfull = t->ntok / bs, nh = 0, depth = 0;
+    u64 hc = root;
+    for (; depth < nfull && nact; depth++) {
+        while (nh < nfull && nh <= depth + MATCH_AHEAD) {
+            if (!toks_need(t, (nh + 1) * bs)) break;
+            hc = chain(t->buf + nh * bs, (size_t)bs, hc);
+            hashes[nh++] = hc;
+            g_prefetch(g, hc);
+        }
+        if (depth >= nh) break; /* a bad token: the caller raises */
+        Py_ssize_t i = g_find(g, hashes[depth]);
+        const u64 *mk = i < 0 ? NULL : g->e + (size_t)i * st + 1;
+        int keep = 0;
+        for (int a = 0; a < nact; a++) {
+            int k = act[a];
+            u64 held = mk ? mk[k] : 0, dead = alive[k] & ~held;
+            while (dead) {
+                out->scores[k * 64 + __builtin_ctzll(dead)] = depth;
+                dead &= dead - 1;
+            }
+            alive[k] &= held;
+            if (alive[k]) act[keep++] = k;
+        }
+        nact = keep;
+    }
+    for (int a = 0; a < nact; a++) {
+        u64 rest = alive[act[a]];
+        while (rest) {
+            out->scores[act[a] * 64 + __builtin_ctzll(rest)] = depth;
+            rest &= rest - 1;
+        }
+    }
+    return depth;
+}
+
+int walk(const Core *c, Toks *t, u64 root, int detail, MatchOut *out) {
+    int norder = c->norder;
     size_t W = W_OF(c);
-    u64 group[8], alive[8], m[8]; /* up to 512 worker slots */
-    if (W > 8) W = 8;
-    long done_sizes[64];
-    int ndone = 0;
-    Py_ssize_t ntok = t->ntok;
-    u64 *hashes = NULL;
-    for (int oi = 0; oi < c->norder; oi++) {
+    if (!norder || !c->glob.len) return 0;
+    /* The distinct block sizes, in registration order, and each worker's group. */
+    long sizes_s[SMALL_WORKERS];
+    int gi_s[SMALL_WORKERS], act_s[SMALL_WORDS];
+    u64 alive_s[SMALL_WORDS];
+    long *sizes = sizes_s;
+    int *gi = gi_s, *act = act_s;
+    u64 *alive = alive_s, *hashes = NULL;
+    int err = 0;
+    if (norder > SMALL_WORKERS || W > SMALL_WORDS) {
+        sizes = malloc((size_t)norder * sizeof(long));
+        gi = malloc((size_t)norder * sizeof(int));
+        act = malloc(W * sizeof(int));
+        alive = malloc(W * sizeof(u64));
+        if (!sizes || !gi || !act || !alive) {
+            err = E_NOMEM;
+            goto done;
+        }
+    }
+    int ngroups = 0;
+    long minbs = 0;
+    for (int oi = 0, last = -1; oi < norder; oi++) {
         long bs = c->w[c->order[oi]].block_size;
+        gi[oi] = -1;
         if (bs <= 0) continue;
-        int seen = 0;
-        for (int k = 0; k < ndone; k++) seen |= done_sizes[k] == bs;
-        if (seen || ndone == 64) continue;
-        done_sizes[ndone++] = bs;
-        memset(group, 0, sizeof(group));
-        for (int oj = 0; oj < c->norder; oj++) {
-            int s = c->order[oj];
-            if (c->w[s].block_size == bs && (size_t)(s >> 6) < W) group[s >> 6] |= (u64)1 << (s & 63);
-        }
-        Py_ssize_t nfull = ntok / bs;
-        if (!nfull || !c->glob.len) continue;
-        free(hashes);
-        hashes = malloc((size_t)nfull * sizeof(u64));
-        if (!hashes) {
-            c->oom = 1;
-            return;
-        }
-        memcpy(alive, group, sizeof(alive));
-        u64 hc = root;
-        Py_ssize_t nh = 0, depth = 0;
-        int any = 1;
-        for (; depth < nfull && any; depth++) {
-            while (nh < nfull && nh <= depth + MATCH_AHEAD) {
-                if (!toks_need(t, (nh + 1) * bs)) break;
-                hc = chain(t->buf + nh * bs, (size_t)bs, hc);
-                hashes[nh++] = hc;
-                g_prefetch(&c->glob, hc);
-            }
-            if (depth >= nh) break; /* a bad token: the caller raises */
-            Py_ssize_t i = g_find(&c->glob, hashes[depth]);
-            if (i < 0)
-                memset(m, 0, sizeof(m));
-            else
-                for (size_t k = 0; k < W; k++) m[k] = c->glob.e[(size_t)i * (1 + W_OF(c)) + 1 + k];
-            any = 0;
-            for (size_t k = 0; k < W; k++) {
-                u64 dead = alive[k] & ~m[k];
-                while (dead) {
-                    int b = __builtin_ctzll(dead);
-                    out->scores[k * 64 + b] = depth;
-                    dead &= dead - 1;
-                }
-                alive[k] &= m[k];
-                any |= alive[k] != 0;
+        if (last < 0 || sizes[last] != bs) { /* neighbours mostly share a size */
+            last = -1;
+            for (int k = 0; k < ngroups && last < 0; k++)
+                if (sizes[k] == bs) last = k;
+            if (last < 0) {
+                last = ngroups;
+                sizes[ngroups++] = bs;
+                if (!minbs || bs < minbs) minbs = bs;
             }
         }
-        for (size_t k = 0; k < W; k++) {
-            u64 a = alive[k];
-            while (a) {
-                int b = __builtin_ctzll(a);
-                out->scores[k * 64 + b] = depth;
-                a &= a - 1;
-            }
+        gi[oi] = last;
+    }
+    if (!ngroups || t->ntok < minbs) goto done;
+    hashes = malloc((size_t)(t->ntok / minbs) * sizeof(u64));
+    if (!hashes) {
+        err = E_NOMEM;
+        goto done;
+    }
+    for (int g = 0; g < ngroups; g++) {
+        long bs = sizes[g];
+        if (t->ntok / bs == 0) continue;
+        memset(alive, 0, W * sizeof(u64));
+        for (int oi = 0; oi < norder; oi++) {
+            if (gi[oi] != g) continue;
+            int s = c->order[oi];
+            alive[s >> 6] |= (u64)1 << (s & 63);
         }
-        if (detail) {
-            for (int oj = 0; oj < c->norder; oj++) {
-                int s = c->order[oj];
-                Worker *w = &c->w[s];
-                if (w->block_size != bs) continue;
-                long sc = out->scores[s];
-                long *tc = out->tiers + 3 * s;
-                if (!w->n_aux_tier) {
-                    tc[0] = sc;
-                    continue;
-                }
-                for (long j = 0; j < sc; j++) {
-                    u32 refs;
-                    u8 tiers;
-                    aux_get(w, hashes[j], &refs, &tiers);
-                    tc[(tiers & GPU) ? 0 : (tiers & CPU) ? 1 : 2]++;
-                }
+        int nact = 0;
+        for (size_t k = 0; k < W; k++)
+            if (alive[k]) act[nact++] = (int)k;
+        walk_group(c, t, root, bs, alive, act, nact, hashes, out);
+        if (!detail) continue;
+        for (int oi = 0; oi < norder; oi++) {
+            if (gi[oi] != g) continue;
+            int s = c->order[oi];
+            const Worker *w = &c->w[s];
+            long sc = out->scores[s];
+            long *tc = out->tiers + 3 * s;
+            if (!w->n_aux_tier) {
+                tc[0] = sc;
+                continue;
+            }
+            for (long j = 0; j < sc; j++) {
+                u32 refs;
+                u8 tiers;
+                aux_get(w, hashes[j], 0, &refs, &tiers);
+                tc[(tiers & GPU) ? 0 : (tiers & CPU) ? 1 : 2]++;
             }
         }
     }
+done:
     free(hashes);
+    if (sizes != sizes_s) {
+        free(sizes);
+        free(gi);
+        free(act);
+        free(alive);
+    }
+    return err;
 }

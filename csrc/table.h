@@ -47,6 +47,19 @@ static inline Py_ssize_t tab_find(const Tab *t, u64 k) {
     }
 }
 
+/* The slot of key k whose meta bits `mask` equal `tag` (keys that need more
+ * than the key to tell them apart, e.g. an id's kind), or -1. */
+static inline Py_ssize_t tab_find_tagged(const Tab *t, u64 k, u8 mask, u8 tag) {
+    if (!t->len) return -1;
+    size_t m = t->cap - 1, i = tab_home(t, k);
+    for (;;) {
+        u8 mt = t->meta[i];
+        if (!mt) return -1;
+        if (t->keys[i] == k && (mt & mask) == tag) return (Py_ssize_t)i;
+        i = (i + 1) & m;
+    }
+}
+
 /* slot for a key known to be absent (no growth) */
 static inline size_t tab_slot_for(const Tab *t, u64 k) {
     size_t m = t->cap - 1, i = tab_home(t, k);
@@ -54,7 +67,8 @@ static inline size_t tab_slot_for(const Tab *t, u64 k) {
     return i;
 }
 
-/* Insert an absent key; returns its slot or -1 on memory exhaustion. */
+/* Insert an absent key; returns its slot or -1 on memory exhaustion. Never
+ * allocates while (len + 1) / cap <= 3/4 (what tab_reserve ensures). */
 static inline Py_ssize_t tab_insert(Tab *t, u64 k, u8 meta) {
     if ((t->len + 1) * 4 > t->cap * 3) {
         if (tab_rehash(t, t->cap ? t->cap * 2 : 8, t->nval) < 0) return -1;
@@ -83,6 +97,8 @@ static inline void tab_prefetch(const Tab *t, u64 k) {
     __builtin_prefetch(&t->vals[i * t->nval]);
 }
 
+/* Erase slot i. The table keeps its memory (the caller frees an empty one
+ * when nothing may need the room back: see index.c). */
 static inline void tab_erase_at(Tab *t, size_t i) {
     size_t m = t->cap - 1, j = i;
     for (;;) {
@@ -98,7 +114,6 @@ static inline void tab_erase_at(Tab *t, size_t i) {
     }
     t->meta[i] = 0;
     t->len--;
-    if (!t->len) tab_free(t);
 }
 
 static inline size_t tab_bytes(const Tab *t) { return t->cap * (sizeof(u64) * (1 + t->nval) + 1); }
