@@ -59,3 +59,12 @@ def test_health_workers_and_metrics_name_the_core(core: str, monkeypatch: pytest
         assert service.match(tokens(1, 2)).scores["w0"] == 2
     finally:
         service.stop()
+
+
+def test_the_compiled_core_uses_the_tier_bits_of_tiers_py() -> None:
+    if not NATIVE_AVAILABLE:
+        pytest.skip("the native core is not built")
+    from tokenspeed_router import _native
+    from tokenspeed_router.router import tiers
+
+    assert (_native.GPU, _native.CPU, _native.STORAGE) == (tiers.GPU, tiers.CPU, tiers.STORAGE)

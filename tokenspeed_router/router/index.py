@@ -55,16 +55,16 @@ import xxhash
 
 from tokenspeed_router.errors import SnapshotError, UnknownParentError, WireError
 from tokenspeed_router.events.schema import (
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     Event,
     KVEventBatch,
 )
+from tokenspeed_router.events.validation import validate_event
 from tokenspeed_router.hashing import HASH_VERSION, root_seed
 from tokenspeed_router.router.index_core import CoreName, IndexCore, WorkerInfo
 from tokenspeed_router.router.index_reference import ReferenceCore
-from tokenspeed_router.router.tiers import ALL_TIERS, CPU, GPU, STORAGE, medium_code
+from tokenspeed_router.router.tiers import ALL_TIERS, CPU, GPU, STORAGE, TIER_NAMES, medium_code
 
 try:
     from tokenspeed_router import _native
@@ -190,11 +190,6 @@ def _new_core(kind: str | None) -> tuple[IndexCore, CoreName]:
     raise ValueError(f"unknown index core {kind!r} (native or reference)")
 
 
-def _is_hash64(x: object) -> bool:
-    """An int in the u64 or i64 range (engines send hashes either way; i64 ones wrap to u64)."""
-    return type(x) is int and -(1 << 63) <= x <= _M64
-
-
 class KvIndex:
     """Exact, per-worker longest-prefix index over content-hashed KV blocks.
 
@@ -256,7 +251,7 @@ class KvIndex:
     def blocks_by_tier(self, worker: str) -> dict[str, int]:
         """Blocks per tier for one worker; a block on two tiers counts in both."""
         if worker not in self._counters:
-            return {"gpu": 0, "cpu": 0, "storage": 0}
+            return dict.fromkeys(TIER_NAMES, 0)
         info = self.worker_info(worker)
         return {"gpu": info.gpu, "cpu": info.cpu, "storage": info.storage}
 
@@ -349,25 +344,12 @@ class KvIndex:
 
     def _validate(self, worker: str, ev: Event) -> None:
         """Reject a malformed event before anything of the batch is applied."""
+        validate_event(ev, f"worker {worker!r}: ")
         if isinstance(ev, BlockStored):
-            hashes = ev.block_hashes
-            n = len(hashes)
-            bs = ev.block_size
-            num = len(ev.token_ids)
-            if n == 0 or bs <= 0:
-                raise WireError(f"worker {worker!r}: BlockStored with {n} hashes of block size {bs}")
-            if num == 0:
-                # Pre-hashed (a relay's --hashes-only mode, DESIGN §12): the ids are
-                # the router's content hashes, the parent is its content hash.
-                p = ev.parent_block_hash
-                if not all(map(_is_hash64, hashes)) or not (p is None or _is_hash64(p)):
-                    raise WireError(f"worker {worker!r}: BlockStored without token ids needs u64 content hashes")
-            elif not (n - 1) * bs < num <= n * bs:
-                raise WireError(
-                    f"worker {worker!r}: BlockStored with {n} hashes of block size {bs} carries {num} token ids"
-                )
             xk = ev.extra_keys
             if type(xk) is dict and DUMP_CONTENT_KEY in xk:
+                # what dump_events writes (an index's own format, so checked here)
+                n = len(ev.block_hashes)
                 ids = xk[DUMP_CONTENT_KEY]
                 bad = xk.get(DUMP_UNMATCHABLE_KEY, [])
                 if (
@@ -378,8 +360,6 @@ class KvIndex:
                     or not all(type(i) is int and 0 <= i < n for i in bad)
                 ):
                     raise WireError(f"worker {worker!r}: malformed dumped content ids")
-        elif not isinstance(ev, (BlockRemoved, AllBlocksCleared)):
-            raise WireError(f"worker {worker!r}: not a KV event: {type(ev).__name__}")
 
     def _store(self, worker: str, ev: BlockStored, counts: list[int]) -> tuple[int, int]:
         """One BlockStored: pick the block grid, then let the core hash and hold it."""

@@ -46,7 +46,7 @@ from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 
 from tokenspeed_router.hashing import chain_hash, tokens_to_bytes
 from tokenspeed_router.router.index_core import RawWorkerInfo
-from tokenspeed_router.router.tiers import ALL_TIERS, GPU, best_tier
+from tokenspeed_router.router.tiers import ALL_TIERS, GPU, TIER_NAMES, best_tier
 
 __all__ = ["ReferenceCore"]
 
@@ -313,7 +313,7 @@ class ReferenceCore:
     def _walk(self, token_ids: Any, root: int, detail: bool) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
         data = tokens_to_bytes(token_ids)  # raises WireError for bad tokens
         scores = dict.fromkeys(self._workers, 0)
-        tiers = {n: {"gpu": 0, "cpu": 0, "storage": 0} for n in self._workers}
+        tiers = {n: dict.fromkeys(TIER_NAMES, 0) for n in self._workers}
         sizes = {w.block_size for w in self._workers.values() if w.block_size}
         for bs in sorted(sizes):
             alive = {n for n, w in self._workers.items() if w.block_size == bs}
