@@ -72,6 +72,28 @@ class WorkerSample:
     blocks_by_tier: dict[str, int] = field(default_factory=dict)
 
 
+class IndexCoreCollector(Collector):
+    """``tokenspeed_index_core_info{core="native"} 1``: which KV index core runs, read at scrape time.
+
+    Read from the service's current index (a warm start may replace it), so a
+    fall-back to the pure-Python core shows on a dashboard, not only in a log.
+    """
+
+    def __init__(self, core: Callable[[], str]) -> None:
+        self._core = core
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        info = GaugeMetricFamily(
+            "tokenspeed_index_core_info", "the KV index core running (native: compiled; reference: Python)",
+            labels=["core"],
+        )
+        info.add_metric([self._core()], 1)
+        yield info
+
+
 class WorkerStateCollector(Collector):
     """Exposes per-worker ingestion state, sampled from the service at scrape time."""
 

@@ -36,7 +36,8 @@ def worker_entries(
     ``info`` holds role, state, blocks held (``blocks``, also as
     ``blocks_held``), last seq, events applied and lag (``lag_s``: seconds
     since the worker's last batch timestamp, also as ``lag``), plus
-    counters and endpoints. ``peers``: other router replicas' in-flight load
+    counters and endpoints, and ``index_core`` (``native`` or ``reference``:
+    which KvIndex core runs). ``peers``: other router replicas' in-flight load
     per worker (shared load), reported as ``in_flight_peers``.
     """
     peers = peers or {}
@@ -56,6 +57,9 @@ def worker_entries(
             "blocks_held": blocks,
             "blocks_by_tier": index.blocks_by_tier(name),
             "block_size": index.block_size_of(name),
+            # the index core holding these blocks (same for every entry; an entry per
+            # worker, since the answer's top level names workers only)
+            "index_core": index.implementation,
             "last_seq": st.last_seq if st is not None else None,
             "epoch": st.epoch if st is not None else 0,
             "batches_applied": st.batches_applied if st is not None else 0,
