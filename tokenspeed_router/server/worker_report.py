@@ -75,6 +75,8 @@ def worker_entries(
             "lag": lag,
             "ingest_delay_s": st.lag_s if st is not None else None,
             "in_flight": getattr(wl, "active_requests", 0) if wl is not None else 0,
+            # uncached prompt tokens routed there whose first token has not come out yet
+            "queued_prefill_tokens": getattr(wl, "pending_prefill_tokens", 0) if wl is not None else 0,
             # requests other router replicas have in flight there (shared load)
             "in_flight_peers": peers[name].active_requests if name in peers else 0,
             "connected": connected.get(name),
