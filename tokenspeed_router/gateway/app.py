@@ -20,13 +20,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.routing import Route
 
 from tokenspeed_router.asgi import Receive, Scope, Send, read_body, send_response
 from tokenspeed_router.auth import check_bearer
-from tokenspeed_router.errors import RouterApiError
+from tokenspeed_router.errors import RouterApiError, TokenspeedError
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.gateway.openai import (
     OpenAIError,
@@ -35,7 +36,7 @@ from tokenspeed_router.gateway.openai import (
     parse_completion,
 )
 from tokenspeed_router.gateway.proxy import Proxy
-from tokenspeed_router.gateway.tokenize import load_tokenizer
+from tokenspeed_router.gateway.tokenize import TokenizeError, load_tokenizer
 from tokenspeed_router.gateway.truth import TruthCollector, TruthLoop
 from tokenspeed_router.gateway.upstream import Upstreams
 
@@ -51,8 +52,9 @@ class Gateway:
         self.config = config
         self.upstreams = Upstreams(service, config)
         self.truth = TruthLoop(config.truth_window, service.set_distrusted)
-        self.proxy = Proxy(service, config, self.upstreams, load_tokenizer(config.tokenizer, self.upstreams.client),
-                           self.truth)
+        #: the ``--tokenizer`` choice; ``POST /doctor/expect`` answers with it too
+        self.tokenizer = load_tokenizer(config.tokenizer, self.upstreams.client)
+        self.proxy = Proxy(service, config, self.upstreams, self.tokenizer, self.truth)
         token = service.config.auth_token
         self._expected = token.encode() if token else None
         self._max_body = service.config.limits.max_body_bytes
@@ -70,6 +72,7 @@ class Gateway:
             Route("/v1/completions", _Asgi(self._completions), methods=["POST"]),
             Route("/v1/chat/completions", _Asgi(self._chat), methods=["POST"]),
             Route("/v1/models", _Asgi(self._models), methods=["GET"]),
+            Route("/doctor/expect", _Asgi(self._doctor_expect), methods=["POST"]),
         ]
 
     def front(self, app: Any) -> Any:
@@ -240,6 +243,45 @@ class Gateway:
         if not models and not any(answers):
             raise OpenAIError(502, "no worker answered GET /v1/models", code="upstream_error")
         await _send_json(send, 200, {"object": "list", "data": list(models.values())})
+
+
+    async def _doctor_expect(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /doctor/expect``: what this router computes for a prompt sent to one worker.
+
+        Body ``{"worker": NAME, "prompt": TEXT}`` or ``{"worker": NAME, "messages": [...]}``
+        (chat-template fields as in a chat request) or ``{"token_ids": [...]}``. Answer
+        ``{"token_ids", "scores", "block_size"}``: the tokens this router's ``--tokenizer``
+        gives (asking that worker's engine for ``engine``), and the index's match for them.
+        ``tokenspeed-router doctor --router URL`` compares these with what the engine
+        caches and reports. No side effects (nothing is routed or counted in flight).
+        """
+        self._check(scope)
+        try:
+            body = msgspec.json.decode(await self._body(scope, receive))
+        except msgspec.DecodeError as err:
+            raise OpenAIError(400, f"invalid JSON: {err}", code="invalid_body") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the body must be a JSON object", code="invalid_body")
+        worker = body.get("worker")
+        spec = self._service.worker_specs().get(worker) if isinstance(worker, str) else None
+        url = spec.url if spec is not None else None
+        try:
+            if isinstance(body.get("token_ids"), list):
+                tokens = body["token_ids"]
+            elif isinstance(body.get("messages"), list):
+                tokens = await self.tokenizer.chat_tokens(body, url)
+            elif isinstance(body.get("prompt"), str):
+                tokens = await self.tokenizer.completion_tokens(body["prompt"], body, url)
+            else:
+                raise OpenAIError(400, "give token_ids, a string prompt or chat messages", code="invalid_body")
+        except TokenizeError as err:
+            raise OpenAIError(502, f"tokenizing failed: {err}", code="tokenize_failed") from None
+        try:
+            detail = self._service.match(tokens).to_dict()
+        except TokenspeedError as err:
+            raise OpenAIError(400, str(err), code="invalid_body") from None
+        await _send_json(send, 200, {"token_ids": tokens, "scores": detail["scores"],
+                                     "block_size": detail["block_size"]})
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -76,6 +76,7 @@ def worker_entries(
             "connected": connected.get(name),
             "events_endpoint": sub.events if sub is not None else None,
             "replay_endpoint": sub.replay if sub is not None else None,
+            "topic": sub.topic if sub is not None else None,
         }
     return out
 
