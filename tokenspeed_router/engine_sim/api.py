@@ -18,6 +18,7 @@ With several DP ranks, a request goes to the rank named by the
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -38,6 +39,8 @@ from tokenspeed_router.engine_sim.tokenizer import ChatTemplateError, SimTokeniz
 __all__ = ["ApiError", "EngineSimApp", "create_app"]
 
 DEFAULT_MAX_TOKENS = 16
+
+logger = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -178,8 +181,12 @@ class EngineSimApp:
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         except ApiError as err:
             return err.response(self.headers)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        traceparent = request.headers.get("traceparent")
+        if traceparent is not None:  # what a tracing engine would parent its spans on
+            logger.debug("engine-sim %s: request %s traceparent=%s", self.name, request_id, traceparent)
         sim = SimRequest(
-            request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            request_id=request_id,
             prompt=tokens,
             max_tokens=1 if prefill_only else max_tokens,
             prefill_only=prefill_only,

@@ -37,6 +37,7 @@ from tokenspeed_router.gateway.openai import (
 )
 from tokenspeed_router.gateway.proxy import Proxy
 from tokenspeed_router.gateway.tokenize import TokenizeError, load_tokenizer
+from tokenspeed_router.gateway.tracing import TRACE_HEADERS, load_tracer
 from tokenspeed_router.gateway.truth import TruthCollector, TruthLoop
 from tokenspeed_router.gateway.upstream import Upstreams
 
@@ -55,6 +56,8 @@ class Gateway:
         #: the ``--tokenizer`` choice; ``POST /doctor/expect`` answers with it too
         self.tokenizer = load_tokenizer(config.tokenizer, self.upstreams.client)
         self.proxy = Proxy(service, config, self.upstreams, self.tokenizer, self.truth)
+        #: ``--otlp-traces-endpoint``: one span per request (None: OpenTelemetry never imported)
+        self.tracer = load_tracer(config.otlp_traces_endpoint)
         token = service.config.auth_token
         self._expected = token.encode() if token else None
         self._max_body = service.config.limits.max_body_bytes
@@ -96,6 +99,8 @@ class Gateway:
 
     async def aclose(self) -> None:
         await self.upstreams.aclose()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # flush the spans still queued
 
     # --- what /workers and /health add ---------------------------------------------------
 
@@ -140,19 +145,23 @@ class Gateway:
     # --- endpoints -------------------------------------------------------------------
 
     def _check(self, scope: Scope) -> dict[str, str]:
-        """Auth; returns the headers to pass on to the engine."""
+        """Auth; returns the headers to pass on to the engine (the client's W3C trace context too)."""
         authorization: bytes | None = None
+        forward: dict[str, str] = {}
         for key, value in scope["headers"]:
             if key == b"authorization":
                 authorization = value
+            elif key in TRACE_HEADERS:
+                forward[key.decode("latin-1")] = value.decode("latin-1")
         if self._expected is not None:
             presented = authorization.decode("latin-1") if authorization is not None else None
             try:
                 check_bearer(presented, self._expected, header=True)
             except RouterApiError as err:
                 raise OpenAIError(err.status, err.message, code="invalid_api_key") from None
-            return {}
-        return {"authorization": authorization.decode("latin-1")} if authorization is not None else {}
+        elif authorization is not None:
+            forward["authorization"] = authorization.decode("latin-1")
+        return forward
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
@@ -197,9 +206,14 @@ class Gateway:
                 me.cancel()  # the client went away: cancel the upstream call, release at once
 
         watcher = asyncio.ensure_future(watch())
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start(headers, "/v1/chat/completions" if req.kind == "chat" else "/v1/completions")
+            headers = span.outgoing(headers)
+        failure: BaseException | None = None
         try:
             tokens = await self.proxy.token_ids(req)
-            await self.proxy.handle(req, tokens, tracked, headers)
+            await self.proxy.handle(req, tokens, tracked, headers, span)
         except asyncio.CancelledError:
             if not gone:
                 raise  # we are being cancelled ourselves (shutdown)
@@ -209,12 +223,15 @@ class Gateway:
             self.proxy.stats.disconnects += 1
             logger.debug("client disconnected: request cancelled")
         except Exception as err:
+            failure = err
             if not sent:
                 raise  # OpenAIError -> its answer; anything else -> a logged 500
             logger.error("gateway request failed after its answer started: %r", err)
         finally:
             over = True
             watcher.cancel()
+            if span is not None:
+                span.end(failure)
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = self._check(scope)

@@ -37,6 +37,7 @@ from tokenspeed_router.gateway.http1 import ConnectFailed, Http1Response, Upstre
 from tokenspeed_router.gateway.openai import OpenAIError, ParsedRequest
 from tokenspeed_router.gateway.sse import SseRelay, sse_error_event
 from tokenspeed_router.gateway.tokenize import PromptTokenizer, TokenizeError
+from tokenspeed_router.gateway.tracing import RequestSpan
 from tokenspeed_router.gateway.truth import TruthLoop, TruthSample, cap_prediction
 from tokenspeed_router.gateway.upstream import Target, Upstreams, is_timeout, is_unreachable
 from tokenspeed_router.router.decision import RouteDecision
@@ -190,14 +191,19 @@ class Proxy:
     # --- the request ---------------------------------------------------------------
 
     async def handle(self, req: ParsedRequest, tokens: list[int], send: Send,
-                     headers: dict[str, str]) -> None:
-        """Answer ``req`` on ``send``; raises :class:`OpenAIError` before anything is sent."""
+                     headers: dict[str, str], trace: RequestSpan | None = None) -> None:
+        """Answer ``req`` on ``send``; raises :class:`OpenAIError` before anything is sent.
+
+        ``trace`` (``--otlp-traces-endpoint``) is told each routing decision.
+        """
         request_id = f"{self._id_prefix}{next(self._ids)}"
         attempts = 0
         dropped = False  # a connection already dropped before answering for this request
         try:
             while True:
                 plan = self._plan(tokens, request_id)
+                if trace is not None:
+                    trace.routed(plan.decision, req.kind)
                 try:
                     if plan.remote_prefill:
                         await self._disaggregated(req, tokens, plan, send, headers)

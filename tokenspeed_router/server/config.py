@@ -233,6 +233,7 @@ _SCALARS: dict[str, Callable[[Any, str], Any]] = {
     "upstream_retries": lambda v, what: _int(v, what, low=0),
     "worker_down_cooldown_s": _positive_float,
     "truth_window": _int,
+    "otlp_traces_endpoint": _text,
 }
 assert set(GatewayConfig.setting_names()) <= set(_SCALARS), "every gateway setting needs a parser"
 KNOWN_KEYS = (*_SCALARS, "workers", "router")
