@@ -169,7 +169,7 @@ def test_the_dashboard_is_well_formed(exported: dict[str, set[str]]) -> None:
     assert len(ids) == len(set(ids)) and data["uid"] == "tokenspeed-router"
     for panel in data["panels"]:
         g = panel["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, panel["title"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, panel["title"]
         if panel["type"] != "row":
             assert panel["targets"], panel["title"]
     for var in data["templating"]["list"]:
