@@ -111,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         module.add_arguments(subparsers.choices[command])
     args = parser.parse_args(argv)
+    args.argv = argv  # the command line as given (serve --processes starts children with it)
     logging.basicConfig(
         level=int(args.log_level) if args.log_level.isdigit() else args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

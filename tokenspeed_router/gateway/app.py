@@ -29,6 +29,7 @@ from tokenspeed_router.asgi import Receive, Scope, Send, read_body, send_respons
 from tokenspeed_router.auth import check_bearer
 from tokenspeed_router.errors import RouterApiError, TokenspeedError
 from tokenspeed_router.gateway.config import GatewayConfig
+from tokenspeed_router.gateway.explain import EXPLAIN_HEADER, explain_requested
 from tokenspeed_router.gateway.openai import (
     OpenAIError,
     ParsedRequest,
@@ -144,13 +145,18 @@ class Gateway:
 
     # --- endpoints -------------------------------------------------------------------
 
-    def _check(self, scope: Scope) -> dict[str, str]:
-        """Auth; returns the headers to pass on to the engine (the client's W3C trace context too)."""
+    def _check(self, scope: Scope) -> tuple[dict[str, str], bool]:
+        """Auth; returns the headers to pass on to the engine (the client's W3C trace context
+        too), and whether the client asked for the routing decision (``x-tokenspeed-explain``),
+        all read in the same pass."""
         authorization: bytes | None = None
+        explain: bytes | None = None
         forward: dict[str, str] = {}
         for key, value in scope["headers"]:
             if key == b"authorization":
                 authorization = value
+            elif key == EXPLAIN_HEADER:
+                explain = value
             elif key in TRACE_HEADERS:
                 forward[key.decode("latin-1")] = value.decode("latin-1")
         if self._expected is not None:
@@ -161,7 +167,7 @@ class Gateway:
                 raise OpenAIError(err.status, err.message, code="invalid_api_key") from None
         elif authorization is not None:
             forward["authorization"] = authorization.decode("latin-1")
-        return forward
+        return forward, (explain is not None and explain_requested(explain))
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
@@ -171,16 +177,17 @@ class Gateway:
             raise OpenAIError(err.status, err.message, code="invalid_body") from None
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = self._check(scope)
+        headers, explain = self._check(scope)
         req = parse_completion(await self._body(scope, receive), max_tokens=self._max_tokens)
-        await self._serve(req, headers, receive, send)
+        await self._serve(req, headers, receive, send, explain)
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = self._check(scope)
+        headers, explain = self._check(scope)
         req = parse_chat(await self._body(scope, receive), max_tokens=self._max_tokens)
-        await self._serve(req, headers, receive, send)
+        await self._serve(req, headers, receive, send, explain)
 
-    async def _serve(self, req: ParsedRequest, headers: dict[str, str], receive: Receive, send: Send) -> None:
+    async def _serve(self, req: ParsedRequest, headers: dict[str, str], receive: Receive, send: Send,
+                     explain: bool = False) -> None:
         """Run the proxy in this task, cancelling it if the client disconnects first.
 
         One watcher task listens for the disconnect and cancels this one; the
@@ -213,7 +220,7 @@ class Gateway:
         failure: BaseException | None = None
         try:
             tokens = await self.proxy.token_ids(req)
-            await self.proxy.handle(req, tokens, tracked, headers, span)
+            await self.proxy.handle(req, tokens, tracked, headers, explain, trace=span)
         except asyncio.CancelledError:
             if not gone:
                 raise  # we are being cancelled ourselves (shutdown)
@@ -234,7 +241,7 @@ class Gateway:
                 span.end(failure)
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = self._check(scope)
+        headers, _ = self._check(scope)
         urls = self.upstreams.worker_urls()
         if not urls:
             raise OpenAIError(503, "no reachable worker with a url", code="no_worker_available")
