@@ -762,7 +762,8 @@ class RouterService:
         now = self._wall_clock()
         stats = self._loop.statistics() if self._loop is not None else {}
         with self._lock:
-            samples = worker_samples(self._workers, self._index, self._ingestor.statuses(), stats, now)
+            samples = worker_samples(self._workers, self._index, self._ingestor.statuses(), stats, now,
+                                     self._router.load())
         return iter(samples)
 
     @contextmanager

@@ -82,6 +82,7 @@ def worker_entries(
             "connected": connected.get(name),
             "events_endpoint": sub.events if sub is not None else None,
             "replay_endpoint": sub.replay if sub is not None else None,
+            "topic": sub.topic if sub is not None else None,
         }
     return out
 
@@ -92,8 +93,11 @@ def worker_samples(
     statuses: Mapping[str, WorkerStatus],
     stats: Mapping[str, Any],
     now: float,
+    load: Mapping[str, Any] | None = None,
 ) -> list[WorkerSample]:
-    """One Prometheus sample per worker the ingestor knows (``/metrics``)."""
+    """One Prometheus sample per worker the ingestor knows (``/metrics``); ``load``: the
+    router's in-flight load per worker (``WorkerLoad``)."""
+    load = load or {}
     return [
         WorkerSample(
             name=name,
@@ -112,6 +116,9 @@ def worker_samples(
             duplicates=stats[name].duplicates if name in stats else 0,
             lag_s=(now - st.last_batch_ts) if st.last_batch_ts else None,
             blocks_by_tier=index.blocks_by_tier(name),
+            in_flight_requests=getattr(load.get(name), "active_requests", 0),
+            pending_prefill_tokens=getattr(load.get(name), "pending_prefill_tokens", 0),
+            active_tokens=getattr(load.get(name), "active_tokens", 0),
         )
         for name, st in statuses.items()
     ]
