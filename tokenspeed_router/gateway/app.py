@@ -28,6 +28,7 @@ from tokenspeed_router.asgi import Receive, Scope, Send, read_body, send_respons
 from tokenspeed_router.auth import check_bearer
 from tokenspeed_router.errors import RouterApiError
 from tokenspeed_router.gateway.config import GatewayConfig
+from tokenspeed_router.gateway.explain import EXPLAIN_HEADER, explain_requested
 from tokenspeed_router.gateway.openai import (
     OpenAIError,
     ParsedRequest,
@@ -136,20 +137,26 @@ class Gateway:
 
     # --- endpoints -------------------------------------------------------------------
 
-    def _check(self, scope: Scope) -> dict[str, str]:
-        """Auth; returns the headers to pass on to the engine."""
+    def _check(self, scope: Scope) -> tuple[dict[str, str], bool]:
+        """Auth; returns the headers to pass on to the engine, and whether the client
+        asked for the routing decision (``x-tokenspeed-explain``, read in the same pass)."""
         authorization: bytes | None = None
+        explain: bytes | None = None
         for key, value in scope["headers"]:
             if key == b"authorization":
                 authorization = value
+            elif key == EXPLAIN_HEADER:
+                explain = value
         if self._expected is not None:
             presented = authorization.decode("latin-1") if authorization is not None else None
             try:
                 check_bearer(presented, self._expected, header=True)
             except RouterApiError as err:
                 raise OpenAIError(err.status, err.message, code="invalid_api_key") from None
-            return {}
-        return {"authorization": authorization.decode("latin-1")} if authorization is not None else {}
+            forward: dict[str, str] = {}
+        else:
+            forward = {"authorization": authorization.decode("latin-1")} if authorization is not None else {}
+        return forward, (explain is not None and explain_requested(explain))
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
@@ -159,16 +166,17 @@ class Gateway:
             raise OpenAIError(err.status, err.message, code="invalid_body") from None
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = self._check(scope)
+        headers, explain = self._check(scope)
         req = parse_completion(await self._body(scope, receive), max_tokens=self._max_tokens)
-        await self._serve(req, headers, receive, send)
+        await self._serve(req, headers, receive, send, explain)
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = self._check(scope)
+        headers, explain = self._check(scope)
         req = parse_chat(await self._body(scope, receive), max_tokens=self._max_tokens)
-        await self._serve(req, headers, receive, send)
+        await self._serve(req, headers, receive, send, explain)
 
-    async def _serve(self, req: ParsedRequest, headers: dict[str, str], receive: Receive, send: Send) -> None:
+    async def _serve(self, req: ParsedRequest, headers: dict[str, str], receive: Receive, send: Send,
+                     explain: bool = False) -> None:
         """Run the proxy in this task, cancelling it if the client disconnects first.
 
         One watcher task listens for the disconnect and cancels this one; the
@@ -196,7 +204,7 @@ class Gateway:
         watcher = asyncio.ensure_future(watch())
         try:
             tokens = await self.proxy.token_ids(req)
-            await self.proxy.handle(req, tokens, tracked, headers)
+            await self.proxy.handle(req, tokens, tracked, headers, explain)
         except asyncio.CancelledError:
             if not gone:
                 raise  # we are being cancelled ourselves (shutdown)
@@ -214,7 +222,7 @@ class Gateway:
             watcher.cancel()
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = self._check(scope)
+        headers, _ = self._check(scope)
         urls = self.upstreams.worker_urls()
         if not urls:
             raise OpenAIError(503, "no reachable worker with a url", code="no_worker_available")

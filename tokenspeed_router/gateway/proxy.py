@@ -33,6 +33,7 @@ import msgspec
 from tokenspeed_router.asgi import Send, send_response
 from tokenspeed_router.errors import NoWorkerAvailableError, TokenspeedError, api_error
 from tokenspeed_router.gateway.config import GatewayConfig
+from tokenspeed_router.gateway.explain import ROUTE_HEADER, route_header
 from tokenspeed_router.gateway.http1 import ConnectFailed, Http1Response, UpstreamError
 from tokenspeed_router.gateway.openai import OpenAIError, ParsedRequest
 from tokenspeed_router.gateway.sse import SseRelay, sse_error_event
@@ -150,10 +151,10 @@ class Proxy:
 
     # --- routing -------------------------------------------------------------------
 
-    def _plan(self, tokens: list[int], request_id: str) -> _Plan:
+    def _plan(self, tokens: list[int], request_id: str, explain: bool = False) -> _Plan:
         service = self._service
         try:
-            decision: RouteDecision = service.route(tokens, request_id=request_id)
+            decision: RouteDecision = service.route(tokens, request_id=request_id, explain=explain)
             # the truth loop's prediction: the event index's view from the routing walk itself;
             # a policy that reads no index (a baseline, approx) leaves it to one walk here
             view = decision.index_match
@@ -190,14 +191,19 @@ class Proxy:
     # --- the request ---------------------------------------------------------------
 
     async def handle(self, req: ParsedRequest, tokens: list[int], send: Send,
-                     headers: dict[str, str]) -> None:
-        """Answer ``req`` on ``send``; raises :class:`OpenAIError` before anything is sent."""
+                     headers: dict[str, str], explain: bool = False) -> None:
+        """Answer ``req`` on ``send``; raises :class:`OpenAIError` before anything is sent.
+
+        ``explain``: the client sent ``x-tokenspeed-explain: 1``; an explained
+        decision (asked for, or sampled by ``--explain-sample``) is answered in
+        the ``x-tokenspeed-route`` header (``gateway/explain.py``).
+        """
         request_id = f"{self._id_prefix}{next(self._ids)}"
         attempts = 0
         dropped = False  # a connection already dropped before answering for this request
         try:
             while True:
-                plan = self._plan(tokens, request_id)
+                plan = self._plan(tokens, request_id, explain)
                 try:
                     if plan.remote_prefill:
                         await self._disaggregated(req, tokens, plan, send, headers)
@@ -246,9 +252,9 @@ class Proxy:
         resp.release()
         if resp.status != 200:
             self.stats.count(site.stream, f"http_{resp.status}")
-            await send_response(send, resp.status, content, _content_type(resp), [
+            await send_response(send, resp.status, content, _content_type(resp), _with_route([
                 (b"x-tokenspeed-worker", site.stream.encode()),
-                (b"x-tokenspeed-prefill-worker", site.stream.encode())])
+                (b"x-tokenspeed-prefill-worker", site.stream.encode())], plan))
             return
         try:
             answer = _decoder.decode(content)
@@ -285,7 +291,7 @@ class Proxy:
                 body["stream_options"] = opts
             data = _encoder.encode(body)
         resp = await self._open(target, req.path, data, headers, "worker")
-        worker_headers = [(b"x-tokenspeed-worker", target.stream.encode()), *(extra or [])]
+        worker_headers = _with_route([(b"x-tokenspeed-worker", target.stream.encode()), *(extra or [])], plan)
         done = False
         try:
             if resp.status != 200 or not req.stream:
@@ -413,6 +419,14 @@ def _with_usage(raw: bytes, req: ParsedRequest) -> bytes | None:
     if not text.startswith(b"{"):
         return None
     return _WITH_USAGE + text[1:]
+
+
+def _with_route(headers: list[tuple[bytes, bytes]], plan: _Plan) -> list[tuple[bytes, bytes]]:
+    """``headers`` plus ``x-tokenspeed-route`` when the decision was explained (one test otherwise)."""
+    explanation = plan.decision.explanation
+    if explanation is not None:
+        headers.append((ROUTE_HEADER, route_header(explanation)))
+    return headers
 
 
 def _content_type(resp: Http1Response) -> bytes:

@@ -22,8 +22,9 @@ from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.process import shutdown_signals
 from tokenspeed_router.server.config import ServerConfig, load_server_config
+from tokenspeed_router.server.explain import ExplainConfig
 
-__all__ = ["add_arguments", "add_gateway_arguments", "add_listener_arguments", "config_from_args", "run"]
+__all__ = ["add_arguments", "add_explain_arguments", "add_gateway_arguments", "add_listener_arguments", "config_from_args", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bind the HTTP port with SO_REUSEPORT, so other processes may listen on it too",
     )
     add_gateway_arguments(parser)
+    add_explain_arguments(parser)
     add_listener_arguments(parser)
+
+
+def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
+    """Why this worker (DESIGN §13; docs/operations.md). Each is also a TOML key and a
+    TOKENSPEED_ROUTER_<KEY> variable, spelled with '_'."""
+    g = parser.add_argument_group("why this worker (explained decisions)")
+    g.add_argument("--decision-log", metavar="FILE",
+                   help="append explained routing decisions to FILE as JSON lines (read back by "
+                   "replay/simulate --decisions)")
+    g.add_argument("--explain-sample", metavar="RATE",
+                   help="explain this fraction of decisions unasked, in [0, 1], deterministically (every "
+                   "1/RATE-th); they get the x-tokenspeed-route header / explain field and go to the "
+                   "decision log (default 1 with --decision-log, else 0)")
+    g.add_argument("--decision-log-max-bytes", metavar="N",
+                   help="rotate the decision log to FILE.1 at N bytes (default 268435456)")
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +148,8 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> ServerConfig
         "max_tokens": args.max_tokens,
     }
     for key in GatewayConfig.setting_names():
+        flags[key] = getattr(args, key, None)
+    for key in ExplainConfig.setting_names():
         flags[key] = getattr(args, key, None)
     flags.update(overrides)
     return load_server_config(flags, os.environ, getattr(args, "config", None))

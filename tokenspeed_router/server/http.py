@@ -55,6 +55,7 @@ from tokenspeed_router.server.api import (
 )
 from tokenspeed_router.server.app import RouterService
 from tokenspeed_router.server.config import WorkerSpec
+from tokenspeed_router.server.explain import decision_answer
 from tokenspeed_router.server.gc_policy import GcCollector
 from tokenspeed_router.server.loop_lag import LoopLag, LoopLagCollector
 from tokenspeed_router.server.metrics import CONTENT_TYPE
@@ -148,7 +149,8 @@ def create_app(service: RouterService) -> Starlette:
         req: RouteRequest = decode_json(_route_decoder, body)
         validate_request(req, limits)
         rid = request_id_text(req.request_id, limits)
-        return service.route(req.token_ids, request_id=rid, lora_id=req.lora_id, salt=req.salt).to_dict()
+        return decision_answer(
+            service.route(req.token_ids, request_id=rid, lora_id=req.lora_id, salt=req.salt, explain=req.explain))
 
     async def release(scope: Scope, body: bytes) -> Any:
         req: ReleaseRequest = decode_json(_release_decoder, body)

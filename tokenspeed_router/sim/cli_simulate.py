@@ -55,8 +55,9 @@ def _floats(text: str) -> list[float]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``simulate`` (defaults documented in ``sim/cluster.py``)."""
     g = parser.add_argument_group("trace")
-    g.add_argument("--trace", required=True,
-                   help="Mooncake-format .jsonl file, or 'synthetic' for the built-in generator")
+    g.add_argument("--trace",
+                   help="Mooncake-format .jsonl file, or 'synthetic' for the built-in generator "
+                        "(required unless --decisions)")
     g.add_argument("--trace-block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS,
                    help="tokens per trace hash id (Mooncake: 512)")
     g.add_argument("--start-s", type=float, default=0.0, help="window start, trace time (s)")
@@ -67,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--synthetic-requests", type=int, default=3000,
                    help="requests generated for --trace synthetic")
     c = parser.add_argument_group("cluster")
-    c.add_argument("--workers", type=int, required=True, help="workers (prefill pool if disaggregated)")
+    c.add_argument("--workers", type=int,
+                   help="workers (prefill pool if disaggregated; required unless --decisions)")
     c.add_argument("--decode-workers", type=int, default=0,
                    help="> 0: disaggregated run with this many decode workers")
     c.add_argument("--capacity-tokens", type=int, default=400_000, help="KV cache per worker (tokens)")
@@ -104,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="write results.json and plots here")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    d = parser.add_argument_group("decision log (instead of a trace)")
+    d.add_argument("--decisions", metavar="FILE",
+                   help="a decision log (serve --decision-log): decide every logged decision again under each "
+                        "of --policies, on the logged credits and loads, and print a JSON comparison "
+                        "(docs/operations.md); --router-option applies")
+    d.add_argument("--decisions-out", metavar="FILE",
+                   help="with --decisions: one JSON line per decision and policy (logged vs re-decided)")
 
 
 def parse_router_options(items: list[str]) -> dict[str, Any]:
@@ -156,8 +165,54 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterConfig:
     )
 
 
+def _run_decisions(args: argparse.Namespace) -> int:
+    """``simulate --decisions FILE``: each of --policies against the logged decisions (logged state)."""
+    from tokenspeed_router.router.scoring import Policy
+    from tokenspeed_router.server.decision_log import DecisionLogReader
+    from tokenspeed_router.server.decision_replay import redecide_config, simulate_decisions
+
+    known = [p.value for p in Policy]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.policies == ",".join(POLICY_ORDER):  # the default: every policy a Router has
+        policies = [p for p in POLICY_ORDER if p in known]
+    unknown = [p for p in policies if p not in known]
+    if unknown or not policies:
+        raise ConfigError(f"--decisions re-decides with a Router policy; unknown {unknown}, choose from "
+                          f"{', '.join(known)}")
+    options = parse_router_options(args.router_option)
+    reader = DecisionLogReader(args.decisions)
+    first = next(iter(reader), None)
+    out = None
+    if args.decisions_out:
+        try:
+            out = open(args.decisions_out, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+        except OSError as err:
+            raise ConfigError(f"--decisions-out {args.decisions_out}: {err}") from err
+    results: dict[str, Any] = {}
+    try:
+        for policy in policies:
+            reader.malformed = 0
+            config = redecide_config(first, policy, options, logged_view=True)
+            if out is not None:
+                out.write(json.dumps({"policy": policy}) + "\n")
+            results[policy] = simulate_decisions(reader, config, out=out).to_dict()
+    finally:
+        if out is not None:
+            out.close()
+    doc = {"decisions": args.decisions, "logged_policy": first.policy if first else None,
+           "malformed_lines": reader.malformed, "policies": results}
+    print(json.dumps(doc, sort_keys=True))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``tokenspeed-router simulate``."""
+    if args.decisions_out and not args.decisions:
+        raise ConfigError("--decisions-out needs --decisions FILE")
+    if args.decisions:
+        return _run_decisions(args)
+    if args.trace is None or args.workers is None:
+        raise ConfigError("simulate needs --trace FILE and --workers N (or --decisions FILE)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICY_ORDER]
     if unknown or not policies:
