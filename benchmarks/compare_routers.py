@@ -139,11 +139,13 @@ class RouterKind:
     available: Callable[[], str | None]  # None = available, else why not
 
 
-def _ours(policy: str) -> Launcher:
+def _ours(policy: str, processes: int = 1) -> Launcher:
     def start(ctx: RunContext, engines: Sequence[EngineHandle]) -> str:
         # Our time constants follow the engines' clock (see clock_scaled_router_flags);
         # the peers run with their defaults (no comparable time-based memory).
         extra = clock_scaled_router_flags(ctx.time_scale) + (["--state", ctx.redis] if ctx.redis else [])
+        if processes > 1:  # serve --processes N: N processes on one port (a private Redis without --state)
+            extra += ["--processes", str(processes)]
         for option in ctx.router_options:
             extra += ["--router-option", option]
         return ctx.fleet.start_gateway(f"tokenspeed-{policy}-{ctx.replica}", engines, policy=policy,
@@ -189,6 +191,8 @@ ROUTERS = {
     "vllm-router": RouterKind("vllm-router", "tokens", _vllm_router, _needs("vllm-router")),
     "sglang-router": RouterKind("sglang-router", "text", _sglang_router, _needs("smg")),
     "round_robin": RouterKind("round_robin", "tokens", _ours("round_robin"), lambda: None),
+    # two gateway processes on one port (serve --processes 2), sharing in-flight work
+    "tokenspeed-p2": RouterKind("tokenspeed-p2", "tokens", _ours("kv_aware", processes=2), lambda: None),
 }
 
 
@@ -226,7 +230,8 @@ def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *
         opts[2] = replace(engine, restart_after_requests=2 * after)
     with Fleet(log_dir, python=python) as fleet:
         engines = fleet.start_engines([f"engine{i}" for i in range(NUM_ENGINES)], opts)
-        redis = _redis(fleet) if scenario == "replicas" and kind.name in ("tokenspeed", "round_robin") else None
+        ours = ("tokenspeed", "round_robin", "tokenspeed-p2")
+        redis = _redis(fleet) if scenario == "replicas" and kind.name in ours else None
         replicas = 2 if scenario == "replicas" else 1
         urls = [kind.start(RunContext(fleet=fleet, replica=i, time_scale=time_scale, redis=redis,
                                       router_options=tuple(router_options)), engines)
