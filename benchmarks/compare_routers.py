@@ -151,11 +151,13 @@ class RouterKind:
     direct: bool = False
 
 
-def _ours(policy: str) -> Launcher:
+def _ours(policy: str, processes: int = 1) -> Launcher:
     def start(ctx: RunContext, engines: Sequence[EngineHandle]) -> str:
         # Our time constants follow the engines' clock (see clock_scaled_router_flags);
         # the peers run with their defaults (no comparable time-based memory).
         extra = clock_scaled_router_flags(ctx.time_scale) + (["--state", ctx.redis] if ctx.redis else [])
+        if processes > 1:  # serve --processes N: N processes on one port (a private Redis without --state)
+            extra += ["--processes", str(processes)]
         for option in ctx.router_options:
             extra += ["--router-option", option]
         return ctx.fleet.start_gateway(f"tokenspeed-{policy}-{ctx.replica}", engines, policy=policy,
@@ -203,6 +205,8 @@ ROUTERS = {
     "round_robin": RouterKind("round_robin", "tokens", _ours("round_robin"), lambda: None),
     # the floor of every router-added latency: loadgen -> engine over HTTP, round robin
     "direct": RouterKind("direct", "tokens", lambda ctx, engines: "", lambda: None, direct=True),
+    # two gateway processes on one port (serve --processes 2), sharing in-flight work
+    "tokenspeed-p2": RouterKind("tokenspeed-p2", "tokens", _ours("kv_aware", processes=2), lambda: None),
 }
 
 
@@ -262,7 +266,8 @@ def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *
         opts[2] = replace(engine, restart_after_requests=2 * after)
     with Fleet(log_dir, python=python) as fleet:
         engines = fleet.start_engines([f"engine{i}" for i in range(NUM_ENGINES)], opts)
-        redis = _redis(fleet) if scenario == "replicas" and kind.name in ("tokenspeed", "round_robin") else None
+        ours = ("tokenspeed", "round_robin", "tokenspeed-p2")
+        redis = _redis(fleet) if scenario == "replicas" and kind.name in ours else None
         replicas = 2 if scenario == "replicas" else 1
         if kind.direct:
             urls = [e.url for e in engines]

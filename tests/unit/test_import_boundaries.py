@@ -37,7 +37,7 @@ LAYERS: dict[str, int] = {
     "events": 1, "hashing": 1, "endpoints": 1,
     "cache": 2, "router": 2,
     "server": 3, "state": 3, "gateway": 3, "relay": 3, "sim": 3, "engine_sim": 3, "loadgen": 3,
-    "bench": 3,
+    "bench": 3, "doctor": 3,
     "cli": 4,
 }
 

@@ -38,6 +38,7 @@ from tokenspeed_router.gateway.http1 import ConnectFailed, Http1Response, Upstre
 from tokenspeed_router.gateway.openai import OpenAIError, ParsedRequest
 from tokenspeed_router.gateway.sse import SseRelay, sse_error_event
 from tokenspeed_router.gateway.tokenize import PromptTokenizer, TokenizeError
+from tokenspeed_router.gateway.tracing import RequestSpan
 from tokenspeed_router.gateway.truth import TruthLoop, TruthSample, cap_prediction
 from tokenspeed_router.gateway.upstream import Target, Upstreams, is_timeout, is_unreachable
 from tokenspeed_router.router.decision import RouteDecision
@@ -191,12 +192,14 @@ class Proxy:
     # --- the request ---------------------------------------------------------------
 
     async def handle(self, req: ParsedRequest, tokens: list[int], send: Send,
-                     headers: dict[str, str], explain: bool = False) -> None:
+                     headers: dict[str, str], explain: bool = False, *,
+                     trace: RequestSpan | None = None) -> None:
         """Answer ``req`` on ``send``; raises :class:`OpenAIError` before anything is sent.
 
         ``explain``: the client sent ``x-tokenspeed-explain: 1``; an explained
         decision (asked for, or sampled by ``--explain-sample``) is answered in
         the ``x-tokenspeed-route`` header (``gateway/explain.py``).
+        ``trace`` (``--otlp-traces-endpoint``) is told each routing decision.
         """
         request_id = f"{self._id_prefix}{next(self._ids)}"
         attempts = 0
@@ -204,6 +207,8 @@ class Proxy:
         try:
             while True:
                 plan = self._plan(tokens, request_id, explain)
+                if trace is not None:
+                    trace.routed(plan.decision, req.kind)
                 try:
                     if plan.remote_prefill:
                         await self._disaggregated(req, tokens, plan, send, headers)

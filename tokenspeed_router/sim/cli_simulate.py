@@ -26,7 +26,13 @@ from tokenspeed_router.sim.report import (
     try_write_plots,
     write_results,
 )
-from tokenspeed_router.sim.runner import Interrupted, ProgressBar, run_policies, sweep
+from tokenspeed_router.sim.runner import (
+    Interrupted,
+    ProgressBar,
+    ReplicaOptions,
+    run_policies,
+    sweep,
+)
 from tokenspeed_router.sim.traces import (
     MOONCAKE_BLOCK_TOKENS,
     TraceRequest,
@@ -87,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--event-loss", type=float, default=0.0,
                    help="probability that an event batch is lost (no replay)")
     c.add_argument("--seed", type=int, default=0, help="seed of every RNG in the run")
+    c.add_argument("--replicas", type=int, default=1,
+                   help="N router replicas split the requests round-robin (each follows every engine)")
+    c.add_argument("--replica-delay-ms", type=float, default=2.0,
+                   help="how late one replica's in-flight work reaches the others (Redis Pub/Sub: ~2 ms)")
+    c.add_argument("--replica-sharing", choices=["all", "load", "none"], default="all",
+                   help="what replicas share: load and route predictions (all), load only, or nothing")
     p = parser.add_argument_group("policies and output")
     p.add_argument("--policies", default=",".join(POLICY_ORDER),
                    help="comma-separated subset of " + ", ".join(POLICY_ORDER))
@@ -237,6 +249,12 @@ def run(args: argparse.Namespace) -> int:
           f"{stats['ideal_hit_ratio']:.1%}", file=sys.stderr)
     bar = None if args.quiet else ProgressBar()
     signal = not args.no_prefill_signal
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.replica_delay_ms < 0:
+        raise ConfigError(f"--replica-delay-ms must be >= 0, got {args.replica_delay_ms}")
+    replicas = ReplicaOptions(args.replicas, args.replica_delay_ms / 1000.0,
+                              None if args.replica_sharing == "none" else args.replica_sharing)
     if args.event_loss > 0 or args.sweep_event_loss:
         # Losses are deliberate here: one resync warning per lost batch would bury the table.
         ingest_log = logging.getLogger("tokenspeed_router.router.ingest")
@@ -244,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     interrupted = False
     try:
         runs = run_policies(policies, requests, cluster, router_options=router_options,
-                            signal_prefill_done=signal, progress=bar)
+                            signal_prefill_done=signal, progress=bar, replicas=replicas)
     except Interrupted as stop:
         if not stop.finished:
             raise
@@ -283,6 +301,9 @@ def run(args: argparse.Namespace) -> int:
         "max_requests": args.max_requests,
         "router_options": router_options,
         "prefill_done_signal": signal,
+        "replicas": args.replicas,
+        "replica_delay_s": replicas.delay_s if args.replicas > 1 else None,
+        "replica_sharing": args.replica_sharing if args.replicas > 1 else None,
         "interrupted": interrupted,
     }
     doc = results_document(trace=trace_name, workers=cluster.num_workers, runs=runs,

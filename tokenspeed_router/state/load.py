@@ -432,6 +432,15 @@ class SharedLoad:
             elif backoff.wait():
                 return
 
+    def receive_now(self, wait_s: float = 0.0) -> bool:
+        """Take in what the peers sent (waiting up to ``wait_s``), without the threads.
+
+        For drivers on their own clock (the simulator's replicas in
+        ``benchmarks/bench_shared_load.py``); ``start`` runs this in a thread.
+        False when Redis did not answer.
+        """
+        return self._receive_once(wait_s)
+
     def _receive_once(self, wait_s: float) -> bool:
         try:
             payloads = self._transport.receive(wait_s)
