@@ -183,7 +183,11 @@ class IndexIngestor:
     ``resyncing`` worker back to ``live`` (see the module docstring).
     ``on_state_change(worker, state)`` is called after every state change; the
     server wires it to ``Router.set_cold(worker, state != "live")``.
-    ``clock`` only timestamps state changes.
+    ``clock`` only timestamps state changes. ``on_applied(worker, stats)`` is
+    called after each batch the index applied whole (``stats``: what ``apply``
+    returned) and ``on_cleared(worker)`` after a restart or resync dropped the
+    worker's entries; the router's cost model v2 reads stores, removals and
+    clears from them (``Router.on_index_applied`` / ``on_index_cleared``).
     """
 
     def __init__(
@@ -193,6 +197,8 @@ class IndexIngestor:
         recovery_batches: int = 8,
         clock: Callable[[], float] = time.monotonic,
         on_state_change: Callable[[str, WorkerState], None] | None = None,
+        on_applied: Callable[[str, object], None] | None = None,
+        on_cleared: Callable[[str], None] | None = None,
     ) -> None:
         if recovery_batches < 1:
             raise ValueError(f"recovery_batches must be >= 1, got {recovery_batches}")
@@ -200,6 +206,8 @@ class IndexIngestor:
         self._recovery_batches = recovery_batches
         self._clock = clock
         self._on_state_change = on_state_change
+        self._on_applied = on_applied
+        self._on_cleared = on_cleared
         self._tracks: dict[str, _Track] = {}
 
     # --- input ------------------------------------------------------------------
@@ -343,12 +351,16 @@ class IndexIngestor:
 
     def _restart(self, worker: str, t: _Track) -> None:
         self._index.clear_worker(worker)
+        if self._on_cleared is not None:
+            self._on_cleared(worker)
         t.restarts += 1
         t.clean_batches = 0
         self._set_state(worker, t, WorkerState.LIVE)
 
     def _resync(self, worker: str, t: _Track, why: str) -> None:
         self._index.clear_worker(worker)
+        if self._on_cleared is not None:
+            self._on_cleared(worker)
         t.resyncs += 1
         t.clean_batches = 0
         logger.warning("worker=%s resync: %s; its entries were dropped", worker, why)
@@ -358,7 +370,7 @@ class IndexIngestor:
         t.last_batch_ts = batch.ts
         t.last_recv_time_s = recv_time_s
         try:
-            self._index.apply(worker, batch)
+            stats = self._index.apply(worker, batch)
         except IndexConsistencyError as err:
             t.batches_rejected += 1
             if t.state is not WorkerState.RESYNCING:
@@ -374,6 +386,8 @@ class IndexIngestor:
         events = batch.events
         t.batches_applied += 1
         t.events_applied += len(events)
+        if self._on_applied is not None:
+            self._on_applied(worker, stats)
         if t.state is WorkerState.LIVE:
             return
         if any(_clears_everything(e) for e in events):

@@ -104,6 +104,8 @@ class ClusterConfig:
     event_loss_rate: float = 0.0
     seed: int = 0
     token_key: int = 0
+    #: engine restarts: ``(time_s, worker)`` pairs (virtual seconds since the first arrival)
+    restarts: tuple[tuple[float, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_workers <= 0 or self.num_decode_workers < 0:
@@ -112,6 +114,10 @@ class ClusterConfig:
             raise ConfigError("page_size must be > 0 and capacity_tokens >= page_size")
         if self.event_delay_s < 0 or not 0.0 <= self.event_loss_rate < 1.0:
             raise ConfigError("event_delay_s must be >= 0 and event_loss_rate in [0, 1)")
+        names = {*self.worker_names(), *self.decode_names()}
+        for when, name in self.restarts:
+            if name not in names or not when >= 0:
+                raise ConfigError(f"restart {name}@{when}: unknown worker or negative time")
 
     @property
     def disaggregated(self) -> bool:
@@ -142,9 +148,11 @@ def _make_cache(config: ClusterConfig) -> Any:
 class SimWorker:
     """One simulated engine: a real prefix cache plus a FIFO prefill queue."""
 
-    __slots__ = ("busy_s", "cache", "free_at", "name", "num_requests", "role", "seq")
+    __slots__ = ("busy_s", "cache", "epoch", "free_at", "name", "num_requests", "restarts", "role", "seq")
 
     def __init__(self, name: str, role: str, cache: Any) -> None:
+        self.epoch = 0  # bumped by a restart: batches of an older epoch are never delivered
+        self.restarts = 0
         self.name = name
         self.role = role
         self.cache = cache
@@ -239,7 +247,7 @@ class RunResult:
 # Heap item kinds, ordered so that at equal times events are delivered before
 # a request completes and completions before the next arrival is routed.
 # A disaggregated decode worker's admission (KV arrival) comes first.
-_ADMIT, _DELIVER, _PREFILL_DONE, _FINISH = 0, 1, 2, 3
+_ADMIT, _DELIVER, _PREFILL_DONE, _FINISH, _RESTART = 0, 1, 2, 3, 4
 
 
 class Simulator:
@@ -262,6 +270,7 @@ class Simulator:
         self.config = config
         self._synth = synthesizer or TokenSynthesizer(key=config.token_key)
         role = "prefill" if config.disaggregated else "both"
+        self._cache_factory = cache_factory
         self._prefill = [SimWorker(n, role, cache_factory(config)) for n in config.worker_names()]
         self._decode = [SimWorker(n, "decode", cache_factory(config)) for n in config.decode_names()]
         self._all = [*self._prefill, *self._decode]
@@ -303,9 +312,11 @@ class Simulator:
             self._pacer.wait_until(when)
             self._now = max(self._now, when)
             if kind == _DELIVER:
-                name, events, lost = payload
+                name, events, lost, epoch = payload
                 # Numbered when sent, so each worker's stream is in time order.
                 worker = self._by_name[name]
+                if epoch != worker.epoch:
+                    continue  # published by the engine before it restarted: never sent
                 seq = worker.seq
                 worker.seq += 1
                 if not lost:
@@ -316,6 +327,8 @@ class Simulator:
                 self._publish(worker, events, self._now, backend)
             elif kind == _PREFILL_DONE:
                 backend.prefill_done(payload, self._now)
+            elif kind == _RESTART:
+                self._restart(payload)
             else:
                 backend.finished(payload, self._now)
 
@@ -329,7 +342,22 @@ class Simulator:
             return
         lost = bool(self.config.event_loss_rate) and self._rng.random() < self.config.event_loss_rate
         self._lost += lost
-        self._push(visible_at + self.config.event_delay_s, _DELIVER, (worker.name, events, lost))
+        self._push(visible_at + self.config.event_delay_s, _DELIVER,
+                   (worker.name, events, lost, worker.epoch))
+
+    def _restart(self, worker: SimWorker) -> None:
+        """The engine restarts: an empty cache, its event seq back to 0.
+
+        Batches it had not sent yet are lost with it (their blocks are gone).
+        The router learns of the restart from the next batch (seq 0), as from
+        a restarted publisher. Requests already queued there keep the timing
+        computed when they were admitted (a simplification: a real engine would
+        abort and the client retry them).
+        """
+        worker.cache = self._cache_factory(self.config)
+        worker.epoch += 1
+        worker.restarts += 1
+        worker.seq = 0
 
     def _serve(self, req: TraceRequest, tokens: np.ndarray, choice: RouteChoice, now: float,
                backend: RoutingBackend) -> tuple[SimWorker, int, float, float]:
@@ -400,6 +428,8 @@ class Simulator:
         next_sample = 0.0
         self._published = self._lost = 0
         t0 = requests[0].arrival_s if n else 0.0
+        for when, name in self.config.restarts:
+            self._push(when, _RESTART, self._by_name[name])
         for i, req in enumerate(requests):
             t = req.arrival_s - t0
             self._drain_until(t, backend)
@@ -412,6 +442,9 @@ class Simulator:
             tokens = self._synth.tokens(req)
             choice = backend.route(req, tokens)
             worker, hit, start, first_token = self._serve(req, tokens, choice, now, backend)
+            observed = getattr(backend, "observed", None)
+            if observed is not None:  # the engine's usage report, as a gateway would read it
+                observed(req.request_id, req.input_length - hit)
             arrivals[i] = t
             ttft[i] = first_token - now
             queue[i] = start - now
