@@ -50,7 +50,8 @@ class Gateway:
         self._service = service
         self.config = config
         self.upstreams = Upstreams(service, config)
-        self.truth = TruthLoop(config.truth_window, service.set_distrusted)
+        self.truth = TruthLoop(config.truth_window, service.set_distrusted,
+                               on_trust=getattr(service, "set_trust", None))
         self.proxy = Proxy(service, config, self.upstreams, load_tokenizer(config.tokenizer, self.upstreams.client),
                            self.truth)
         token = service.config.auth_token

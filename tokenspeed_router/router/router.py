@@ -417,6 +417,8 @@ class Router:
         self._removed: set[str] = set()
         self._index_version: object = _UNSYNCED
         self._cold: set[str] = set()
+        #: truth-loop trust below 1 per worker (credit scaled by it)
+        self._trust: dict[str, float] = {}
         self._pools: _Pools | None = None  # derived from _workers; None = rebuild
         self._inflight: dict[str, _InFlight] = {}
         self._expiry: deque[_InFlight] = deque()
@@ -535,6 +537,19 @@ class Router:
             self._cold.add(name)
         else:
             self._cold.discard(name)
+
+    def set_trust(self, name: str, trust: float) -> None:
+        """Scale ``name``'s credited prefix by ``trust`` (1: as known, 0: none, as if cold).
+
+        The gateway's truth loop lowers it gradually while the engine's reported
+        reuse disagrees with the index, instead of routing it on load alone.
+        """
+        if not (isinstance(trust, (int, float)) and 0.0 <= trust <= 1.0):
+            raise ConfigError(f"trust must be in [0, 1], got {trust!r}")
+        if trust >= 1.0:
+            self._trust.pop(name, None)
+        else:
+            self._trust[name] = float(trust)
 
     def workers(self) -> dict[str, WorkerInfo]:
         """Every routable worker with its role, event mode and cold flag.
@@ -847,6 +862,13 @@ class Router:
                         known[name] = PrefixCredit(blocks, bs, float(blocks * bs), _PREDICTED)
         for name in self._cold:
             known.pop(name, None)
+        for name, trust in self._trust.items():
+            k = known.get(name)
+            if k is not None:
+                if trust <= 0.0:
+                    del known[name]
+                else:
+                    known[name] = PrefixCredit(k.blocks, k.block_size, k.credit_tokens * trust, k.source)
         return known, hashes, detail
 
     def _engine(self, name: str) -> EngineModel:
