@@ -71,7 +71,8 @@ def run_cell(job: dict[str, Any]) -> dict[str, Any]:
     m = policy_metrics(run)
     keep = ("requests", "hit_ratio", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s",
             "load_imbalance", "requests_per_worker", "wall_s")
-    return {**{k: m[k] for k in keep}, **{k: job[k] for k in ("trace", "scenario", "policy")}}
+    extra = {k: m[k] for k in ("prediction_error_tokens", "predicted_hit_actual_miss_rate") if k in m}
+    return {**{k: m[k] for k in keep}, **extra, **{k: job[k] for k in ("trace", "scenario", "policy")}}
 
 
 def verdict(rows: dict[str, dict[str, Any]]) -> tuple[bool, bool, bool]:
