@@ -166,3 +166,14 @@ def test_rendezvous_is_order_free_and_moves_only_the_removed_workers_keys() -> N
     after = {k: rendezvous_pick(k, fewer, keys) for k in range(2000)}
     assert all(after[k] == before[k] for k in before if before[k] != "w3")
     assert stable_name_key("w0") == stable_name_key("w0") != stable_name_key("w1")
+
+
+def test_an_unmeasured_engine_uses_the_fleet_fit() -> None:
+    fleet = PrefillFit(10_000.0, 0.02)
+    seen = EngineModel(PrefillFit(10_000.0, 0.02), shared_fit=fleet)
+    fresh = EngineModel(PrefillFit(10_000.0, 0.02), shared_fit=fleet)
+    for i in range(EngineModel.OWN_FIT_SAMPLES):
+        seen.admit(f"r{i}", 1000, now=float(i))
+        seen.done(f"r{i}", float(i) + 0.3)  # 0.3 s per 1000 tokens: slower than the prior
+        assert seen.fit is (fleet if i + 1 < EngineModel.OWN_FIT_SAMPLES else seen.own_fit)
+    assert fresh.fit is fleet and fresh.fit.predict(1000) == fleet.predict(1000) > 0.12

@@ -193,7 +193,9 @@ class _Prediction:
 class EngineModel:
     """One engine as cost model v2 sees it (see the module docstring)."""
 
-    fit: PrefillFit
+    own_fit: PrefillFit
+    #: the fleet's fit (every engine's samples): used until this engine has its own
+    shared_fit: PrefillFit | None = None
     capacity_tokens: float = math.inf
     #: capacity was configured: events never change it
     capacity_fixed: bool = False
@@ -206,6 +208,19 @@ class EngineModel:
     predicted: dict[int, int] = field(default_factory=dict)
     predictions: dict[str, _Prediction] = field(default_factory=dict)
     next_deadline: float = math.inf
+
+    #: samples an engine needs before its own fit replaces the fleet's
+    OWN_FIT_SAMPLES = 8
+
+    @property
+    def fit(self) -> PrefillFit:
+        """This engine's fit once it has a few samples, else the fleet's (an engine never
+        measured is as fast as the others, not as fast as the prior)."""
+        own = self.own_fit
+        shared = self.shared_fit
+        if shared is None or own.samples >= self.OWN_FIT_SAMPLES:
+            return own
+        return shared
 
     # --- queue clock -----------------------------------------------------------
     def queue_s(self, now: float) -> float:
@@ -229,7 +244,10 @@ class EngineModel:
         head = next(iter(self.pending)) == request_id
         if head and fit:  # nothing routed earlier still prefilling: a clean service-time sample
             start = max(p.routed_at, self.last_done_at)
-            self.fit.observe(p.uncached if uncached is None else uncached, now - start)
+            tokens = p.uncached if uncached is None else uncached
+            self.own_fit.observe(tokens, now - start)
+            if self.shared_fit is not None:
+                self.shared_fit.observe(tokens, now - start)
         self._remove(request_id, p)
         self.last_done_at = max(self.last_done_at, now)
         self._reclock()

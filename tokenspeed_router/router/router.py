@@ -430,6 +430,8 @@ class Router:
         self._v2 = config.cost_model == "v2"
         #: v2: per worker, the engine model (queue clock, fit, horizon, bridged predictions)
         self._engines: dict[str, EngineModel] = {}
+        #: v2: one fit over every engine's prefills (engines use it until they have their own)
+        self._fleet_fit = PrefillFit(config.prefill_tokens_per_s, config.prefill_overhead_s, forget=0.999)
         self._name_keys: dict[str, int] = {}
         self._route_now = 0.0
         self._route_hashes: list[ContentHash] | None = None
@@ -741,7 +743,7 @@ class Router:
                 queued_prefills=len(eng.pending),
                 prefill_tokens_per_s=eng.fit.rate,
                 prefill_overhead_s=eng.fit.overhead,
-                fit_samples=eng.fit.samples,
+                fit_samples=eng.own_fit.samples,
                 capacity_tokens=None if eng.capacity_tokens == math.inf else int(eng.capacity_tokens),
                 predictions=len(eng.predictions),
             )
@@ -878,6 +880,7 @@ class Router:
             cap = float(c.engine_capacity_tokens) if c.engine_capacity_tokens > 0 else math.inf
             eng = self._engines[name] = EngineModel(
                 PrefillFit(c.prefill_tokens_per_s, c.prefill_overhead_s),
+                shared_fit=self._fleet_fit,
                 capacity_tokens=cap,
                 capacity_fixed=c.engine_capacity_tokens > 0,
             )
