@@ -31,7 +31,7 @@ class _Blk:
     tiers: set[str] = field(default_factory=set)
 
 
-class _EngineModel:
+class _EngineBelief:
     """Valid random streams: chains under known parents, tier copies, leaf evictions, clears."""
 
     def __init__(self, seed: int) -> None:
@@ -95,7 +95,7 @@ class _EngineModel:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_blockset_dump_rebuilds_what_the_stream_built(seed: int) -> None:
-    model = _EngineModel(seed)
+    model = _EngineBelief(seed)
     streamed, blockset = KvIndex(), BlockSet()
     for _ in range(400):
         batch = KVEventBatch(0.0, [model.step() for _ in range(model.rng.randint(1, 3))])
@@ -189,7 +189,7 @@ def test_router_at_any_seq_ends_exact_after_asking_the_ring(seed: int) -> None:
     """Whatever a router applied before (seqs [0, s)), applying the ring's answer for s
     -- a snapshot when s is older than the ring, a hole meaning "clear first" --
     leaves it equal to a router that applied the whole stream."""
-    model = _EngineModel(seed)
+    model = _EngineBelief(seed)
     rng = random.Random(seed)
     capacity = rng.randint(1, 20)
     ring = SnapshotRing(capacity, blocks_per_batch=rng.randint(1, 8))

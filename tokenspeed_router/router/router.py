@@ -67,7 +67,7 @@ from tokenspeed_router.router.decision import (
     RouteExplanation,
     explain_pool,
 )
-from tokenspeed_router.router.engine_model import EngineModel, PrefillFit, rendezvous_pick
+from tokenspeed_router.router.engine_belief import EngineBelief, PrefillFit, rendezvous_pick
 from tokenspeed_router.router.index import lora_key
 from tokenspeed_router.router.scoring import (
     ApproxPrefixStore,
@@ -184,7 +184,7 @@ class RouterConfig:
     predict_on_route_ttl_s: float = 15.0
     #: Prefix of generated request ids; None = a random one per Router.
     request_id_prefix: str | None = None
-    #: ``"v2"``: the cost is an estimated TTFT in seconds (``router/engine_model.py``,
+    #: ``"v2"``: the cost is an estimated TTFT in seconds (``router/engine_belief.py``,
     #: docs/routing.md "Cost model v2"): a queue clock with a per-prefill overhead,
     #: a prefill rate fitted per engine, credit trimmed to the blocks that survive
     #: until the prefill starts, predictions that bridge only the wait for the
@@ -429,7 +429,7 @@ class Router:
         )
         self._v2 = config.cost_model == "v2"
         #: v2: per worker, the engine model (queue clock, fit, horizon, bridged predictions)
-        self._engines: dict[str, EngineModel] = {}
+        self._engines: dict[str, EngineBelief] = {}
         #: v2: one fit over every engine's prefills (engines use it until they have their own)
         self._fleet_fit = PrefillFit(config.prefill_tokens_per_s, config.prefill_overhead_s, forget=0.999)
         self._name_keys: dict[str, int] = {}
@@ -873,12 +873,12 @@ class Router:
                     known[name] = PrefixCredit(k.blocks, k.block_size, k.credit_tokens * trust, k.source)
         return known, hashes, detail
 
-    def _engine(self, name: str) -> EngineModel:
+    def _engine(self, name: str) -> EngineBelief:
         eng = self._engines.get(name)
         if eng is None:
             c = self._config
             cap = float(c.engine_capacity_tokens) if c.engine_capacity_tokens > 0 else math.inf
-            eng = self._engines[name] = EngineModel(
+            eng = self._engines[name] = EngineBelief(
                 PrefillFit(c.prefill_tokens_per_s, c.prefill_overhead_s),
                 shared_fit=self._fleet_fit,
                 capacity_tokens=cap,

@@ -191,7 +191,7 @@ def ttft_cost(
 ) -> float:
     """Cost model v2: estimated TTFT of a request on a worker, in seconds (lower is better).
 
-    ``queue_s``: the worker's prefill queue clock (``EngineModel.queue_s``: the
+    ``queue_s``: the worker's prefill queue clock (``EngineBelief.queue_s``: the
     running prefill's remainder plus the queued ones, each with its overhead);
     ``rate``/``overhead_s``: the worker's fitted prefill speed. The load's
     ``pending_prefill_tokens`` are not used: the clock replaces them.

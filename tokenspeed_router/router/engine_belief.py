@@ -4,7 +4,7 @@ Cost model v2 (``RouterConfig.cost_model = "v2"``, docs/routing.md) estimates
 a request's time to first token on an engine in *seconds*. It needs four
 things per engine that the v1 token-unit cost lacked, each kept here:
 
-* **the prefill queue as a clock** (:attr:`EngineModel.free_at`): prefills
+* **the prefill queue as a clock** (:attr:`EngineBelief.free_at`): prefills
   run one after another; each routed request adds ``overhead + uncached /
   rate`` seconds after the previous one, so the queue ahead of a new request
   is ``free_at - now``: the running prefill's remainder decays with time,
@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["EngineModel", "PrefillFit", "rendezvous_pick", "stable_name_key"]
+__all__ = ["EngineBelief", "PrefillFit", "rendezvous_pick", "stable_name_key"]
 
 _MASK = (1 << 64) - 1
 
@@ -190,7 +190,7 @@ class _Prediction:
 
 
 @dataclass(slots=True)
-class EngineModel:
+class EngineBelief:
     """One engine as cost model v2 sees it (see the module docstring)."""
 
     own_fit: PrefillFit

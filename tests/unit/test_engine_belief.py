@@ -1,4 +1,4 @@
-"""Cost model v2's per-engine bookkeeping (``router/engine_model.py``) against reference models."""
+"""Cost model v2's per-engine bookkeeping (``router/engine_belief.py``) against reference models."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenspeed_router.router.engine_model import (
-    EngineModel,
+from tokenspeed_router.router.engine_belief import (
+    EngineBelief,
     PrefillFit,
     rendezvous_pick,
     stable_name_key,
 )
 
 
-def _engine(rate: float = 10_000.0, overhead: float = 0.02, capacity: float = math.inf) -> EngineModel:
-    return EngineModel(PrefillFit(rate, overhead), capacity_tokens=capacity)
+def _engine(rate: float = 10_000.0, overhead: float = 0.02, capacity: float = math.inf) -> EngineBelief:
+    return EngineBelief(PrefillFit(rate, overhead), capacity_tokens=capacity)
 
 
 # --- the fit ---------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def test_capacity_is_learned_from_removals_unless_fixed() -> None:
     eng.saw_removal(9_000, 1_000)
     eng.saw_removal(5_000, 1_000)
     assert eng.capacity_tokens == 10_000
-    fixed = EngineModel(PrefillFit(1.0, 0.0), capacity_tokens=5.0, capacity_fixed=True)
+    fixed = EngineBelief(PrefillFit(1.0, 0.0), capacity_tokens=5.0, capacity_fixed=True)
     fixed.saw_removal(9_000, 1_000)
     assert fixed.capacity_tokens == 5.0
 
@@ -170,10 +170,10 @@ def test_rendezvous_is_order_free_and_moves_only_the_removed_workers_keys() -> N
 
 def test_an_unmeasured_engine_uses_the_fleet_fit() -> None:
     fleet = PrefillFit(10_000.0, 0.02)
-    seen = EngineModel(PrefillFit(10_000.0, 0.02), shared_fit=fleet)
-    fresh = EngineModel(PrefillFit(10_000.0, 0.02), shared_fit=fleet)
-    for i in range(EngineModel.OWN_FIT_SAMPLES):
+    seen = EngineBelief(PrefillFit(10_000.0, 0.02), shared_fit=fleet)
+    fresh = EngineBelief(PrefillFit(10_000.0, 0.02), shared_fit=fleet)
+    for i in range(EngineBelief.OWN_FIT_SAMPLES):
         seen.admit(f"r{i}", 1000, now=float(i))
         seen.done(f"r{i}", float(i) + 0.3)  # 0.3 s per 1000 tokens: slower than the prior
-        assert seen.fit is (fleet if i + 1 < EngineModel.OWN_FIT_SAMPLES else seen.own_fit)
+        assert seen.fit is (fleet if i + 1 < EngineBelief.OWN_FIT_SAMPLES else seen.own_fit)
     assert fresh.fit is fleet and fresh.fit.predict(1000) == fleet.predict(1000) > 0.12
