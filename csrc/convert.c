@@ -105,6 +105,46 @@ fail:
     return NULL;
 }
 
+/* An exact int in [0, 2**30) (3.11: one digit) or a compact non-negative one
+ * (3.12+): the common token id, read with no call and one type test. */
+static inline int fast_token(PyObject *it, u64 *v) {
+    if (!Py_IS_TYPE(it, &PyLong_Type)) return 0;
+    return small_int(it, v);
+}
+
+/* The rare item: an int subclass (bool, IntEnum), a big int, or not an int. */
+static int token_slow(Toks *t, PyObject *it, u64 *out) {
+    if (!PyLong_Check(it)) {
+        t->slow = 1;
+        return 0;
+    }
+    if (conv_item(it, 1, out) < 0) {
+        t->err = 1;
+        return 0;
+    }
+    return 1;
+}
+
+int toks_convert(Toks *t, Py_ssize_t upto) {
+    if (t->err || t->slow) return 0;
+    Py_ssize_t want = upto < t->nconv + 256 ? t->nconv + 256 : upto;
+    if (want > t->ntok) want = t->ntok;
+    PyObject **items = PySequence_Fast_ITEMS(t->seq);
+    u64 *buf = t->buf;
+    Py_ssize_t i = t->nconv;
+    /* int objects live all over the heap: each item's object is prefetched
+     * TOK_AHEAD items ahead (into the next chunk too), no bound test per item */
+    Py_ssize_t ahead_end = t->ntok - TOK_AHEAD < want ? t->ntok - TOK_AHEAD : want;
+    for (; i < ahead_end; i++) {
+        __builtin_prefetch(items[i + TOK_AHEAD]);
+        if (!fast_token(items[i], &buf[i]) && !token_slow(t, items[i], &buf[i])) return 0;
+    }
+    for (; i < want; i++)
+        if (!fast_token(items[i], &buf[i]) && !token_slow(t, items[i], &buf[i])) return 0;
+    t->nconv = want;
+    return 1;
+}
+
 int toks_open(PyObject *obj, Toks *t) {
     memset(t, 0, sizeof(*t));
     if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {

@@ -21,16 +21,13 @@ static inline int small_int(PyObject *it, u64 *v) {
     }
     return 0;
 #else
+    /* 0 or 1 digit; an int always has room for one digit, so it is read
+     * before the test and selected after (no branch on the value) */
     Py_ssize_t size = Py_SIZE(it);
-    if (size == 0) {
-        *v = 0;
-        return 1;
-    }
-    if (size == 1) {
-        *v = ((PyLongObject *)it)->ob_digit[0];
-        return 1;
-    }
-    return 0;
+    digit d = ((PyLongObject *)it)->ob_digit[0];
+    if ((size_t)size > 1) return 0;
+    *v = size ? d : 0;
+    return 1;
 #endif
 }
 
@@ -74,27 +71,18 @@ typedef struct {
 int toks_open(PyObject *obj, Toks *t);
 void toks_close(Toks *t);
 
+/* Convert the list's items up to `upto` (a chunk of 256 at least): 1, or 0
+ * to stop the walk (an item that is not an int sets t->slow; a bad int sets
+ * t->err with an exception). Under the index lock no Python code may run (an
+ * __index__ could wait for the GIL held by a writer waiting for this lock):
+ * exact ints are read here, int subclasses by the API, anything else is
+ * left for a full conversion outside the lock. */
+int toks_convert(Toks *t, Py_ssize_t upto);
+
+/* Tokens [0, upto) are converted (the walk asks before it hashes a block). */
 static inline int toks_need(Toks *t, Py_ssize_t upto) {
     if (upto <= t->nconv) return 1;
-    if (t->err) return 0;
-    Py_ssize_t want = upto < t->nconv + 256 ? t->nconv + 256 : upto;
-    if (want > t->ntok) want = t->ntok;
-    PyObject **items = PySequence_Fast_ITEMS(t->seq);
-    for (Py_ssize_t i = t->nconv; i < want; i++) {
-        if (i + TOK_AHEAD < want) __builtin_prefetch(items[i + TOK_AHEAD]); /* int objects live all over the heap */
-        /* Under the index lock no Python code may run (an __index__ could wait
-         * for the GIL held by a writer waiting for this lock): ints only here. */
-        if (!PyLong_Check(items[i])) {
-            t->slow = 1;
-            return 0;
-        }
-        if (conv_item(items[i], 1, &t->buf[i]) < 0) {
-            t->err = 1;
-            return 0;
-        }
-    }
-    t->nconv = want;
-    return 1;
+    return toks_convert(t, upto);
 }
 
 /* External id (u64 int, negative int, or bytes) -> table key + kind flag (M_SIGNED, M_BYTES). */
