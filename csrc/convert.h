@@ -8,53 +8,10 @@
 
 #include "common.h"
 
-/* A non-negative int that fits one machine word, read without the generic
- * conversion (the common token id; ~3x faster on a 32k-token list). */
-static inline int small_int(PyObject *it, u64 *v) {
-#if PY_VERSION_HEX >= 0x030C0000
-    if (PyUnstable_Long_IsCompact((PyLongObject *)it)) {
-        Py_ssize_t x = PyUnstable_Long_CompactValue((PyLongObject *)it);
-        if (x >= 0) {
-            *v = (u64)x;
-            return 1;
-        }
-    }
-    return 0;
-#else
-    /* 0 or 1 digit; an int always has room for one digit, so it is read
-     * before the test and selected after (no branch on the value) */
-    Py_ssize_t size = Py_SIZE(it);
-    digit d = ((PyLongObject *)it)->ob_digit[0];
-    if ((size_t)size > 1) return 0;
-    *v = size ? d : 0;
-    return 1;
-#endif
-}
-
 /* Token ids -> a u64 array. strict: reject negatives / too large (queries);
  * otherwise wrap them modulo 2**64 (events: ingestion must not half-apply).
  * Returns a malloc'd array (or NULL with an exception set). */
 u64 *tokens_from(PyObject *obj, Py_ssize_t *n_out, int strict);
-
-/* One token id (strict: refuse negatives and ids >= 2**64). */
-static inline int conv_item(PyObject *it, int strict, u64 *out) {
-    u64 v;
-    if (PyLong_CheckExact(it) && small_int(it, &v)) {
-        *out = v;
-        return 0;
-    }
-    if (PyLong_Check(it)) {
-        v = strict ? PyLong_AsUnsignedLongLong(it) : PyLong_AsUnsignedLongLongMask(it);
-    } else {
-        PyObject *ix = PyNumber_Index(it);
-        if (!ix) return -1;
-        v = strict ? PyLong_AsUnsignedLongLong(ix) : PyLong_AsUnsignedLongLongMask(ix);
-        Py_DECREF(ix);
-    }
-    if (v == (u64)-1 && PyErr_Occurred()) return -1;
-    *out = v;
-    return 0;
-}
 
 /* A query's tokens: a buffer converted at once, or a list/tuple converted
  * lazily (with the GIL held) as far as the walk gets: a prompt that stops
