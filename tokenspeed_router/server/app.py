@@ -76,6 +76,8 @@ from tokenspeed_router.router.router import PeerLoad, Router, WorkerRole
 from tokenspeed_router.router.scoring import WorkerLoad
 from tokenspeed_router.server.api import api_errors
 from tokenspeed_router.server.config import ServerConfig, SubscriberSpec, WorkerSpec
+from tokenspeed_router.server.decision_log import DecisionLogCollector, DecisionLogWriter
+from tokenspeed_router.server.explain import ExplainSampler, ExplainStats, ExplainStatsCollector
 from tokenspeed_router.server.ingest_loop import IngestLoop
 from tokenspeed_router.server.metrics import (
     IndexCoreCollector,
@@ -211,6 +213,13 @@ class RouterService:
         self._peer_load: PeerLoad | None = None
         #: the ``source`` written in the header of a ``--record`` log
         self.record_source = record_source
+        # why this worker (server/explain.py): None when --explain-sample is 0, so the
+        # hot path pays one ``is None`` test; the decision log opens at start()
+        rate = config.explain.sample_rate
+        self._sampler: ExplainSampler | None = ExplainSampler(rate) if rate > 0 else None
+        self._explained = ExplainStats()
+        self.metrics.add_collector(ExplainStatsCollector(self._explained))
+        self.decision_log: DecisionLogWriter | None = None
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -251,6 +260,7 @@ class RouterService:
                 raise ConfigError(f"cannot write the event log {self.config.record!r}: {err}") from err
             self.recorder = RecordingSink(base, writer, self.metrics)
             self._sink = self.recorder
+        self.open_decision_log()
         # A replicated backend subscribes only while it leads (start_ingestion/stop_ingestion).
         self._ingesting = not getattr(base, "manages_ingestion", False)
         self._loop = IngestLoop(
@@ -281,6 +291,7 @@ class RouterService:
                 self._sink.close()
             except Exception:
                 logger.exception("closing the ingest sink after a failed start")
+        self._close_decision_log()
         if self._own_context and (self._loop is None or not self._loop.running):
             # Every socket made on our context (subscribers, monitors, a ZMQ API
             # socket bound before start) is closed with linger 0: ctx.term() alone
@@ -301,6 +312,7 @@ class RouterService:
                 self._sink.close()
             except Exception:
                 logger.exception("closing the ingest sink failed")
+        self._close_decision_log()
         if self._own_context:
             if self._loop is not None and self._loop.running:
                 logger.error("ingestion thread still running: not terminating the ZeroMQ context")
@@ -308,6 +320,29 @@ class RouterService:
                 self._ctx.term()
         # a service that never subscribed (replay, inspect) stops quietly
         logger.log(logging.INFO if self._loop is not None else logging.DEBUG, "router service stopped")
+
+    def open_decision_log(self) -> None:
+        """Start writing explained decisions to ``config.explain.decision_log`` (if set; idempotent).
+
+        Called by :meth:`start`; tools that serve without starting (``replay
+        --serve``) may call it themselves. Raises :class:`ConfigError` when
+        the file cannot be opened.
+        """
+        path = self.config.explain.decision_log
+        if path is None or self.decision_log is not None:
+            return
+        writer = DecisionLogWriter(path, max_bytes=self.config.explain.decision_log_max_bytes)
+        self.decision_log = writer
+        self.metrics.add_collector(DecisionLogCollector(writer))
+        logger.info("decision log %s (explain sample rate %g)", path, self.config.explain.sample_rate)
+
+    def _close_decision_log(self) -> None:
+        writer = self.decision_log
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception:
+                logger.exception("closing the decision log failed")
 
     def __enter__(self) -> RouterService:
         self.start()
@@ -560,18 +595,36 @@ class RouterService:
 
         The typed decision (``to_dict()`` is the JSON) carries the index's view
         from the one walk and per-worker credits, so the gateway needs no
-        ``match`` of its own; ``explain=True`` adds the cost breakdown. Raises
+        ``match`` of its own; ``explain=True`` adds the cost breakdown, as does
+        ``--explain-sample`` for the decisions it picks (``server/explain.py``);
+        explained decisions go to the decision log when one is open. Raises
         :class:`~tokenspeed_router.errors.NoWorkerAvailableError` (no worker
         can take it) and :class:`~tokenspeed_router.errors.WireError` (bad
         token ids); the transports map them to statuses (``server/api.py``).
         """
         t0 = time.perf_counter()
         with self._lock:
+            sampled = False
+            if not explain and self._sampler is not None:
+                explain = sampled = self._sampler.take()
             d = self._router.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt, explain=explain)
             q = self.metrics.queries
             q.route_latency.observe(time.perf_counter() - t0)
             q.observe_route(d.worker, d.matched_tokens, len(token_ids))
+            if d.explanation is not None:
+                self._log_explained(d, sampled, token_ids, lora_id, salt)
         return d
+
+    def _log_explained(self, d: RouteDecision, sampled: bool, token_ids: Any, lora_id: Any, salt: Any) -> None:
+        # under the lock: exact counters, one queue append (the writer thread encodes)
+        if sampled:
+            self._explained.sampled += 1
+        else:
+            self._explained.asked += 1
+        log = self.decision_log
+        if log is not None:
+            log.submit(d, time_s=self._wall_clock(), cause="sampled" if sampled else "asked",
+                       token_ids=token_ids, lora_id=lora_id, salt=salt)
 
     def release(self, request_id: str) -> bool:
         """``POST /release``: True when the request was in flight (unknown ids are not errors)."""
@@ -602,10 +655,16 @@ class RouterService:
         stats = self._loop.statistics() if self._loop is not None else {}
         with self._lock:
             peers = self._peer_load.peers() if self._peer_load is not None else {}
-            return worker_entries(
+            out = worker_entries(
                 self._workers, self._index, self._ingestor.statuses(), self._router.load(), stats, connected, now,
                 peers=peers,
             )
+        if self._peer_load is not None:
+            # other replicas' in-flight work: "shared", or "degraded" (Redis down: local view only)
+            sharing = "degraded" if getattr(self._peer_load, "degraded", False) else "shared"
+            for entry in out.values():
+                entry["in_flight_sharing"] = sharing
+        return out
 
     def health(self) -> dict[str, Any]:
         """``GET /health``: a cheap summary, and whether routing can be trusted.
@@ -628,6 +687,8 @@ class RouterService:
         status = "ok" if self._serving or self._loop is None else "stopping"
         if problems and status == "ok":
             status = "unavailable"
+        if status == "ok" and state is not None and state.get("sharing") == "degraded":
+            status = "degraded"  # serving on this replica's view of in-flight work only
         return {
             "status": status,
             "problems": problems,
@@ -701,7 +762,8 @@ class RouterService:
         now = self._wall_clock()
         stats = self._loop.statistics() if self._loop is not None else {}
         with self._lock:
-            samples = worker_samples(self._workers, self._index, self._ingestor.statuses(), stats, now)
+            samples = worker_samples(self._workers, self._index, self._ingestor.statuses(), stats, now,
+                                     self._router.load())
         return iter(samples)
 
     @contextmanager

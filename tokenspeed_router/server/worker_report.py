@@ -75,11 +75,14 @@ def worker_entries(
             "lag": lag,
             "ingest_delay_s": st.lag_s if st is not None else None,
             "in_flight": getattr(wl, "active_requests", 0) if wl is not None else 0,
+            # uncached prompt tokens routed there whose first token has not come out yet
+            "queued_prefill_tokens": getattr(wl, "pending_prefill_tokens", 0) if wl is not None else 0,
             # requests other router replicas have in flight there (shared load)
             "in_flight_peers": peers[name].active_requests if name in peers else 0,
             "connected": connected.get(name),
             "events_endpoint": sub.events if sub is not None else None,
             "replay_endpoint": sub.replay if sub is not None else None,
+            "topic": sub.topic if sub is not None else None,
         }
     return out
 
@@ -90,8 +93,11 @@ def worker_samples(
     statuses: Mapping[str, WorkerStatus],
     stats: Mapping[str, Any],
     now: float,
+    load: Mapping[str, Any] | None = None,
 ) -> list[WorkerSample]:
-    """One Prometheus sample per worker the ingestor knows (``/metrics``)."""
+    """One Prometheus sample per worker the ingestor knows (``/metrics``); ``load``: the
+    router's in-flight load per worker (``WorkerLoad``)."""
+    load = load or {}
     return [
         WorkerSample(
             name=name,
@@ -110,6 +116,9 @@ def worker_samples(
             duplicates=stats[name].duplicates if name in stats else 0,
             lag_s=(now - st.last_batch_ts) if st.last_batch_ts else None,
             blocks_by_tier=index.blocks_by_tier(name),
+            in_flight_requests=getattr(load.get(name), "active_requests", 0),
+            pending_prefill_tokens=getattr(load.get(name), "pending_prefill_tokens", 0),
+            active_tokens=getattr(load.get(name), "active_tokens", 0),
         )
         for name, st in statuses.items()
     ]
