@@ -23,6 +23,7 @@ __all__ = [
     "RESYNC_REPLAY_INCOMPLETE",
     "RESYNC_REPLAY_TIMEOUT",
     "RESYNC_RING_EXHAUSTED",
+    "RESYNC_SHED",
     "Loss",
     "MergePlan",
     "Message",
@@ -37,6 +38,8 @@ RESYNC_REPLAY_TIMEOUT: Final = "replay_timeout"
 RESYNC_RING_EXHAUSTED: Final = "replay_ring_exhausted"
 RESYNC_REPLAY_INCOMPLETE: Final = "replay_incomplete"
 RESYNC_NO_REPLAY: Final = "no_replay_endpoint"
+#: not a loss on the wire: the router dropped a backlog on purpose (it fell too far behind)
+RESYNC_SHED: Final = "shed_backlog"
 
 
 @dataclass(slots=True)

@@ -98,6 +98,7 @@ from tokenspeed_router.events.replay_merge import (
     RESYNC_REPLAY_INCOMPLETE,
     RESYNC_REPLAY_TIMEOUT,
     RESYNC_RING_EXHAUSTED,
+    RESYNC_SHED,
     Message,
     ReplayPurpose,
     merge_replay,
@@ -111,6 +112,7 @@ __all__ = [
     "RESYNC_REPLAY_INCOMPLETE",
     "RESYNC_REPLAY_TIMEOUT",
     "RESYNC_RING_EXHAUSTED",
+    "RESYNC_SHED",
     "BatchReceived",
     "EventSubscriber",
     "PublisherRestarted",
@@ -124,6 +126,9 @@ logger = logging.getLogger(__name__)
 #: Messages handled per process_ready() call: bounds the memory held by one
 #: returned list (decoded batches are large) and keeps a group's polling fair.
 _MAX_MESSAGES_PER_CALL = 256
+#: Messages one shed_backlog() call drops at most (a publisher flooding faster
+#: than we can even read must not keep the receiving thread in one call forever).
+_MAX_SHED_PER_CALL = 100_000
 _TRACKER_WINDOW = 16_384
 _LOG_INTERVAL_S = 10.0
 
@@ -143,6 +148,11 @@ class BatchReceived:
     recv_time_s: float
     epoch: int
     replayed: bool
+
+    @property
+    def batch_ts(self) -> float:
+        """The publisher's timestamp of the batch (its wall clock, seconds)."""
+        return self.batch.ts
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +209,8 @@ class SubscriberStatistics:
     held: int
     """Live messages held while a replay is in flight."""
     last_recv_time_s: float | None
+    shed: int = 0
+    """Live batches dropped undecoded by :meth:`EventSubscriber.shed_backlog`."""
 
     @property
     def malformed_total(self) -> int:
@@ -289,6 +301,7 @@ class EventSubscriber:
         self._replay_timeouts = 0
         self._resyncs = 0
         self._restarts = 0
+        self._shed = 0
         self._last_recv_time_s: float | None = None
 
     # ----------------------------------------------------------------- public
@@ -406,6 +419,57 @@ class EventSubscriber:
             self._drain_held(out)
         return out
 
+    def shed_backlog(self) -> list[SubscriberItem]:
+        """Drop the live batches waiting in the SUB socket, undecoded; report them lost.
+
+        For a caller that finds this stream too far behind its publisher to
+        catch up (``server/apply_queue.py``): reading and fingerprinting a
+        message costs a few microseconds, decoding and applying it tens. The
+        dropped batches are in order (anything else -- a gap, a restart, a
+        duplicate -- stops the drop and takes the normal path), so they are
+        remembered as delivered and never replayed, and one ResyncNeeded
+        (reason ``RESYNC_SHED``) covers them: the consumer drops the worker's
+        entries and treats it as resyncing, exactly as for a loss on the wire.
+        Does nothing while a replay is in flight or before the stream joined.
+        Returns the items to hand on (the ResyncNeeded, then whatever the
+        message that stopped the drop led to).
+        """
+        out: list[SubscriberItem] = []
+        if self._closed or self._replay is not None or not self._joined or self._held:
+            return out
+        first: int | None = None
+        last = -1
+        for _ in range(_MAX_SHED_PER_CALL):
+            try:
+                frames = self._sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if (
+                len(frames) != 3
+                or len(frames[1]) != SEQ_BYTES
+                or (self._topic and frames[0] != self._topic)
+                or len(frames[2]) > self._max_payload_bytes
+            ):
+                self._parse_live(frames)  # counts and logs the malformed frame the usual way
+                continue
+            seq = decode_seq(frames[1])
+            if self._tracker.classify(seq, frames[2]).kind is not VerdictKind.IN_ORDER:
+                message = self._parse_live(frames)
+                if message is not None:
+                    self._held.append(message)
+                break
+            self._received += 1
+            self._last_recv_time_s = time.time()
+            self._tracker.observe(seq, frames[2])
+            self._shed += 1
+            if first is None:
+                first = seq
+            last = seq
+        if first is not None:
+            self._resync(out, first, last + 1, RESYNC_SHED)
+        self._drain_held(out)
+        return out
+
     def statistics(self) -> SubscriberStatistics:
         return SubscriberStatistics(
             worker=self._worker,
@@ -424,6 +488,7 @@ class EventSubscriber:
             replaying=self._replay is not None,
             held=len(self._held),
             last_recv_time_s=self._last_recv_time_s,
+            shed=self._shed,
         )
 
     def close(self) -> None:

@@ -79,7 +79,12 @@ from tokenspeed_router.router.scoring import WorkerLoad
 from tokenspeed_router.server.api import api_errors
 from tokenspeed_router.server.config import ServerConfig, SubscriberSpec, WorkerSpec
 from tokenspeed_router.server.ingest_loop import IngestLoop
-from tokenspeed_router.server.metrics import ServiceMetrics, WorkerSample, WorkerStateCollector
+from tokenspeed_router.server.metrics import (
+    IngestQueueCollector,
+    ServiceMetrics,
+    WorkerSample,
+    WorkerStateCollector,
+)
 from tokenspeed_router.server.worker_report import worker_entries, worker_samples
 from tokenspeed_router.server.workers import WorkerRegistry
 
@@ -189,6 +194,9 @@ class RouterService:
         self._lock = threading.RLock()  # re-entered by _on_state_change under the writers below
         self.metrics = ServiceMetrics(self._lock)
         self.metrics.add_collector(WorkerStateCollector(self._worker_samples))
+        self.metrics.add_collector(
+            IngestQueueCollector(lambda: self._loop.queue_stats() if self._loop is not None else {})
+        )
         self._wall_clock = wall_clock
         self._started_s = time.monotonic()
         self._own_context = context is None
@@ -256,6 +264,8 @@ class RouterService:
             on_error=self.metrics.ingest_errors.inc,
             stale_after_s=self.config.stale_after_s,
             replay_timeout_s=self.config.replay_timeout_s,
+            max_lag_s=self.config.ingest_max_lag_s,
+            queue_capacity=self.config.ingest_queue,
         )
         self._loop.start(subs if self._ingesting else [])
         self._serving = True
@@ -608,11 +618,12 @@ class RouterService:
         now = self._wall_clock()
         connected = self._loop.connected() if self._loop is not None else {}
         stats = self._loop.statistics() if self._loop is not None else {}
+        lag = self._loop.lag() if self._loop is not None else {}
         with self._lock:
             peers = self._peer_load.peers() if self._peer_load is not None else {}
             return worker_entries(
                 self._workers, self._index, self._ingestor.statuses(), self._router.load(), stats, connected, now,
-                peers=peers,
+                peers=peers, ingest_lag=lag,
             )
 
     def health(self) -> dict[str, Any]:
@@ -707,8 +718,9 @@ class RouterService:
     def _worker_samples(self) -> Iterator[WorkerSample]:
         now = self._wall_clock()
         stats = self._loop.statistics() if self._loop is not None else {}
+        lag = self._loop.lag() if self._loop is not None else {}
         with self._lock:
-            samples = worker_samples(self._workers, self._index, self._ingestor.statuses(), stats, now)
+            samples = worker_samples(self._workers, self._index, self._ingestor.statuses(), stats, now, lag)
         return iter(samples)
 
     @contextmanager

@@ -14,6 +14,7 @@ from typing import Any
 from tokenspeed_router.router.index import KvIndex
 from tokenspeed_router.router.ingest import WorkerStatus
 from tokenspeed_router.router.router import WorkerRole
+from tokenspeed_router.server.apply_queue import LagStatus
 from tokenspeed_router.server.metrics import WorkerSample
 from tokenspeed_router.server.workers import WorkerRegistry
 
@@ -30,6 +31,7 @@ def worker_entries(
     now: float,
     *,
     peers: Mapping[str, Any] | None = None,
+    ingest_lag: Mapping[str, LagStatus] | None = None,
 ) -> dict[str, Any]:
     """``GET /workers``: ``{name: info}`` per stream, at the top level (DESIGN §6).
 
@@ -37,9 +39,12 @@ def worker_entries(
     ``blocks_held``), last seq, events applied and lag (``lag_s``: seconds
     since the worker's last batch timestamp, also as ``lag``), plus
     counters and endpoints. ``peers``: other router replicas' in-flight load
-    per worker (shared load), reported as ``in_flight_peers``.
+    per worker (shared load), reported as ``in_flight_peers``. ``ingest_lag``: the
+    apply queue's view (``lagging``: its events reach the index late;
+    ``ingest_queued``, ``apply_delay_s``, ``shed_batches``).
     """
     peers = peers or {}
+    queue = ingest_lag or {}
     out: dict[str, Any] = {}
     for name in registry.names(statuses):
         st = statuses.get(name)
@@ -74,6 +79,10 @@ def worker_entries(
             # requests other router replicas have in flight there (shared load)
             "in_flight_peers": peers[name].active_requests if name in peers else 0,
             "connected": connected.get(name),
+            "lagging": queue[name].lagging if name in queue else False,
+            "ingest_queued": queue[name].queued if name in queue else 0,
+            "apply_delay_s": queue[name].apply_delay_s if name in queue else None,
+            "shed_batches": queue[name].shed_batches if name in queue else 0,
             "events_endpoint": sub.events if sub is not None else None,
             "replay_endpoint": sub.replay if sub is not None else None,
         }
@@ -86,8 +95,10 @@ def worker_samples(
     statuses: Mapping[str, WorkerStatus],
     stats: Mapping[str, Any],
     now: float,
+    lag: Mapping[str, LagStatus] | None = None,
 ) -> list[WorkerSample]:
     """One Prometheus sample per worker the ingestor knows (``/metrics``)."""
+    lag = lag or {}
     return [
         WorkerSample(
             name=name,
@@ -106,6 +117,10 @@ def worker_samples(
             duplicates=stats[name].duplicates if name in stats else 0,
             lag_s=(now - st.last_batch_ts) if st.last_batch_ts else None,
             blocks_by_tier=index.blocks_by_tier(name),
+            shed_batches=lag[name].shed_batches if name in lag else 0,
+            queued=lag[name].queued if name in lag else 0,
+            lagging=lag[name].lagging if name in lag else False,
+            apply_delay_s=lag[name].apply_delay_s if name in lag else None,
         )
         for name, st in statuses.items()
     ]
