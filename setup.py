@@ -13,7 +13,8 @@ setup(
     ext_modules=[
         Extension(
             "tokenspeed_router._native",
-            sources=["csrc/native.c"],
+            sources=["csrc/native.c"],  # includes csrc/ingest_decode.c
+            depends=["csrc/ingest_decode.c"],
             include_dirs=["csrc/xxhash"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-missing-braces"],
             optional=True,

@@ -1787,7 +1787,11 @@ done:
     return res;
 }
 
+/* raw event batches without Python objects per block (issue 17): its own file */
+#include "ingest_decode.c"
+
 static PyMethodDef Core_methods[] = {
+    {"apply_raw", (PyCFunction)Core_apply_raw, METH_VARARGS, "apply_raw(name, payload, bs, root, salvage)"},
     {"register", (PyCFunction)Core_register, METH_O, "register(name): a new worker, last in order"},
     {"unregister", (PyCFunction)Core_unregister, METH_O, "unregister(name): drop its blocks and forget it"},
     {"workers", (PyCFunction)Core_workers, METH_NOARGS, "registered workers in order"},
@@ -2023,6 +2027,8 @@ static PyMethodDef mod_methods[] = {
     {"hash_blocks", mod_hash_blocks, METH_VARARGS, "chained content hashes of the full blocks"},
     {"chain_hash", mod_chain_hash, METH_VARARGS, "XXH3_64(data, seed)"},
     {"msgpack_tokens", mod_msgpack_tokens, METH_O, "a msgpack array of token ids in [0, 2**63) -> native u64 bytes"},
+    {"scan_batch", mod_scan_batch, METH_O, "scan_batch(payload) -> ts when apply_raw can take it, else None"},
+    {"set_media", mod_set_media, METH_O, "set_media([(name, code), ...]): the tier spellings"},
     {NULL, NULL, 0, NULL},
 };
 
