@@ -18,10 +18,14 @@
  * decides (and counts) exactly as before. tests/property/test_raw_ingest.py
  * checks both against each other with hypothesis on every wire form.
  *
- * Included by native.c (same translation unit): it drives the core's own
- * table helpers (hold_block, drop_block, clear_blocks, the undo log) under
- * the core's lock, one event per lock hold, like the per-event methods.
+ * It drives the core's own block semantics (index.h: hold_block, drop_block,
+ * clear_blocks, the undo log) under the core's lock, one event per lock
+ * hold, like the per-event methods; core_type.c exposes it as
+ * Core.apply_raw, native.c the module functions scan_batch and set_media.
  */
+#include "ingest_decode.h"
+
+#include <math.h>
 
 /* ------------------------------------------------------------ msgpack reader */
 
@@ -178,7 +182,7 @@ static u8 medium_of(const MVal *v) {
 }
 
 /* set_media(pairs): [(lowercase name, tier code), ...] */
-static PyObject *mod_set_media(PyObject *m, PyObject *pairs) {
+PyObject *mod_set_media(PyObject *m, PyObject *pairs) {
     PyObject *seq = PySequence_Fast(pairs, "set_media takes a sequence of (name, code) pairs");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -211,7 +215,7 @@ enum { RE_STORE = 1, RE_REMOVE = 2, RE_CLEAR = 3 };
 enum { RAW_OK = 0, RAW_NOT_MINE = 1, RAW_NOMEM = 2 };
 
 typedef struct {
-    u8 kind, tier, unspecified, has_parent;
+    u8 kind, tier, unspecified, has_parent, pkind;
     u64 pkey;
     Py_ssize_t h0, nh; /* block ids: plan keys[h0 .. h0 + nh) */
     Py_ssize_t t0, nt; /* tokens: plan toks[t0 .. t0 + nt) */
@@ -371,9 +375,8 @@ static int read_parent(Rd *r, const u8 *base, Plan *pl, REv *e) {
         e->has_parent = 0;
         return RAW_OK;
     }
-    u8 kind;
     u32 off, len;
-    if (id_of(&v, base, &e->pkey, &kind, &off, &len) < 0) return RAW_NOT_MINE;
+    if (id_of(&v, base, &e->pkey, &e->pkind, &off, &len) < 0) return RAW_NOT_MINE;
     e->has_parent = 1;
     (void)pl;
     return RAW_OK;
@@ -539,7 +542,8 @@ static int plan_read(const u8 *buf, size_t len, Plan *pl) {
 
 /* ------------------------------------------------------------ applying a plan */
 
-/* One BlockStored on the worker's grid (Core_store's loop): 1 unknown parent, else 0. */
+/* One BlockStored on the worker's grid (Core_store's loop): 1 unknown parent,
+ * E_NOMEM, else 0. Lock held. */
 static int plan_store(Core *c, int s, Plan *pl, const REv *e, u64 root, long *added, long *dup) {
     Worker *w = &c->w[s];
     u64 *toks = pl->toks + e->t0;
@@ -551,17 +555,17 @@ static int plan_store(Core *c, int s, Plan *pl, const REv *e, u64 root, long *ad
     int unm = 0;
     u64 h = root;
     if (e->has_parent) {
-        Py_ssize_t i = tab_find(&w->ext, e->pkey);
+        Py_ssize_t i = ext_find(w, e->pkey, e->pkind);
         if (i < 0) return 1;
         h = w->ext.vals[i];
         if (w->ext.meta[i] & M_UNM) unm = 1;
     }
-    if (tab_reserve(&w->ext, (size_t)n) < 0 || g_reserve(&c->glob, (size_t)n) < 0) {
-        c->oom = 1;
-        return 0;
-    }
+    /* room for the whole event first (slots stay put while prefetched) */
+    if (tab_reserve(&w->ext, (size_t)n) < 0 || g_reserve(&c->glob, (size_t)n) < 0 ||
+        tab_reserve(&w->aux, (size_t)(unm || e->tier != GPU ? n : n - nfull)) < 0)
+        return E_NOMEM;
     enum { D = 12 };
-    for (Py_ssize_t i = 0; i < n + D && !c->oom; i++) {
+    for (Py_ssize_t i = 0; i < n + D; i++) {
         if (i < n) {
             if (i < nfull)
                 h = chain(toks + i * bs, (size_t)bs, h);
@@ -574,6 +578,7 @@ static int plan_store(Core *c, int s, Plan *pl, const REv *e, u64 root, long *ad
         Py_ssize_t k = i - D;
         if (k < 0) continue;
         int r = hold_block(c, s, keys[k], kinds[k], toks[k], unm || k >= nfull, e->tier);
+        if (r < 0) return r;
         *added += r;
         *dup += 1 - r;
     }
@@ -586,6 +591,7 @@ typedef struct {
     Py_ssize_t last_clear;  /* salvage: index of the last whole-cache clear applied, -1 none */
     Py_ssize_t last_reject; /* salvage: index of the last refused event, -1 none */
     int unknown_parent;     /* atomic mode: the batch was refused and rolled back */
+    int err;                /* E_NOMEM: out of memory (atomic mode: rolled back) */
 } RawOut;
 
 /* Apply every event of the plan, each under its own lock hold. GIL not needed.
@@ -600,13 +606,15 @@ static void plan_apply(Core *c, int s, Plan *pl, u64 root, int salvage, RawOut *
         c->logging = 1;
         unlock(c);
     }
-    for (Py_ssize_t i = 0; i < pl->nev && !c->oom; i++) {
+    for (Py_ssize_t i = 0; i < pl->nev && !o->err; i++) {
         const REv *e = &pl->ev[i];
         wlock(c);
         if (e->kind == RE_STORE) {
             long a = 0, d = 0;
-            int unknown = plan_store(c, s, pl, e, root, &a, &d);
-            if (unknown) {
+            int r = plan_store(c, s, pl, e, root, &a, &d);
+            if (r < 0) {
+                o->err = r;
+            } else if (r > 0) {
                 unlock(c);
                 if (!salvage) {
                     o->unknown_parent = 1;
@@ -621,37 +629,47 @@ static void plan_apply(Core *c, int s, Plan *pl, u64 root, int salvage, RawOut *
         } else if (e->kind == RE_REMOVE) {
             Worker *w = &c->w[s];
             const u64 *keys = pl->keys + e->h0;
+            const u8 *kinds = pl->kinds + e->h0;
             Py_ssize_t n = e->nh;
             enum { D1 = 16, D2 = 8 };
-            for (Py_ssize_t j = 0; j < n + D1; j++) {
+            for (Py_ssize_t j = 0; j < n + D1 && !o->err; j++) {
                 if (j < n) tab_prefetch(&w->ext, keys[j]);
                 Py_ssize_t q = j - D2;
                 if (q >= 0 && q < n) {
-                    Py_ssize_t x = tab_find(&w->ext, keys[q]);
+                    Py_ssize_t x = ext_find(w, keys[q], kinds[q]);
                     if (x >= 0) g_prefetch(&c->glob, w->ext.vals[x]);
                 }
                 Py_ssize_t k = j - D1;
                 if (k < 0) continue;
                 int mm = 0;
-                int r = drop_block(c, s, keys[k], e->tier, e->unspecified, &mm);
-                if (r < 0)
+                int r = drop_block(c, s, keys[k], kinds[k], e->tier, e->unspecified, &mm);
+                if (r == E_NOMEM)
+                    o->err = r;
+                else if (r < 0)
                     o->unknown++;
                 else
                     o->removed += r;
                 o->mismatch += mm;
             }
         } else {
-            o->removed += (long)clear_blocks(c, s, e->unspecified ? ALL_TIERS : e->tier);
-            o->cleared++;
-            if (e->unspecified) o->last_clear = i;
+            Py_ssize_t gone = clear_blocks(c, s, e->unspecified ? ALL_TIERS : e->tier);
+            if (gone < 0) {
+                o->err = (int)gone;
+            } else {
+                o->removed += (long)gone;
+                o->cleared++;
+                if (e->unspecified) o->last_clear = i;
+            }
         }
         unlock(c);
     }
     if (logged) {
         wlock(c);
-        if (o->unknown_parent || c->oom) undo_all(c);
-        c->nlog = 0;
-        c->logging = 0;
+        if (o->unknown_parent || o->err) {
+            if (undo_all(c) < 0) o->err = E_NOMEM;
+        } else {
+            commit_batch(c);
+        }
         unlock(c);
     }
 }
@@ -676,33 +694,17 @@ static int plan_bytes(Core *c, int s, Plan *pl, const u8 *base) {
     return 0;
 }
 
-/* apply_raw(name, payload, block_size, root, salvage)
- *   -> None when the batch is not provably the fast case (nothing changed: take the typed path),
- *   else (ts, events, stored, duplicate, removed, unknown_removals, cleared, tier_mismatches,
- *         flags, unknown_parent, rejected, last_clear, last_reject)
- *   flags: 1 a BlockStored, 2 an AllBlocksCleared of every tier. */
-static PyObject *Core_apply_raw(Core *c, PyObject *args) {
-    PyObject *name;
-    Py_buffer buf;
-    long bs;
-    unsigned long long root;
-    int salvage;
-    if (!PyArg_ParseTuple(args, "Oy*lKp", &name, &buf, &bs, &root, &salvage)) return NULL;
-    int s = slot_lookup(c, name);
-    if (s < 0) {
-        PyBuffer_Release(&buf);
-        return NULL;
-    }
+PyObject *raw_apply(Core *c, int s, const void *data, Py_ssize_t len, long bs, u64 root, int salvage) {
     Plan pl;
     memset(&pl, 0, sizeof(pl));
     RawOut o;
     memset(&o, 0, sizeof(o));
-    const u8 *base = buf.buf;
-    int big = buf.len >= 2048;
+    const u8 *base = data;
+    int big = len >= 2048;
     int rc;
     PyThreadState *ts = NULL;
     if (big) ts = PyEval_SaveThread();
-    rc = plan_read(base, (size_t)buf.len, &pl);
+    rc = plan_read(base, (size_t)len, &pl);
     if (rc == RAW_OK) {
         for (Py_ssize_t i = 0; i < pl.nev; i++)
             if (pl.ev[i].kind == RE_STORE && pl.ev[i].bs != bs) rc = RAW_NOT_MINE; /* another grid: Python adopts */
@@ -712,7 +714,6 @@ static PyObject *Core_apply_raw(Core *c, PyObject *args) {
         ts = NULL;
         if (plan_bytes(c, s, &pl, base) < 0) {
             plan_free(&pl);
-            PyBuffer_Release(&buf);
             return NULL;
         }
         if (big) ts = PyEval_SaveThread();
@@ -723,22 +724,19 @@ static PyObject *Core_apply_raw(Core *c, PyObject *args) {
     Py_ssize_t nev = pl.nev;
     int flags = (pl.has_store ? 1 : 0) | (pl.has_clear_all ? 2 : 0);
     plan_free(&pl);
-    PyBuffer_Release(&buf);
-    if (rc == RAW_NOMEM) return PyErr_NoMemory();
-    if (c->oom) {
-        c->oom = 0;
-        return PyErr_NoMemory();
+    if (rc == RAW_NOMEM || o.err) {
+        PyErr_SetString(PyExc_MemoryError, salvage || nev < 2 ? "out of memory applying a KV event batch"
+                                                              : "out of memory applying a KV event batch (rolled back)");
+        return NULL;
     }
     if (rc != RAW_OK) Py_RETURN_NONE;
-    if (c->w[s].ext.len == 0 && !c->logging) Py_CLEAR(c->w[s].bytes_ids);
-    else if (prune_bytes(c, s) < 0) return NULL;
     return Py_BuildValue("dnlllllliilnn", bts, nev, o.stored, o.dup, o.removed, o.unknown, o.cleared, o.mismatch,
                          flags, o.unknown_parent, o.rejected, o.last_clear, o.last_reject);
 }
 
 /* scan_batch(payload) -> the batch timestamp when apply_raw could take it whole
  * (the structure and the checks of the typed decoder, on the fast subset), else None. */
-static PyObject *mod_scan_batch(PyObject *m, PyObject *arg) {
+PyObject *mod_scan_batch(PyObject *m, PyObject *arg) {
     Py_buffer buf;
     if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0) return NULL;
     Plan pl;

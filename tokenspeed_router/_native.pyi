@@ -1,4 +1,4 @@
-"""Types of the compiled core (csrc/native.c); see router/index_reference.py for the semantics."""
+"""Types of the compiled core (csrc/, native.c lists its files); see router/index_reference.py for the semantics."""
 
 from collections.abc import Sequence
 from typing import Any

@@ -3,7 +3,7 @@
 :class:`KvIndex` turns KV events into operations on a *core* that holds the
 blocks. There are two cores with one contract and the same answers:
 
-* ``tokenspeed_router._native.Core`` (csrc/native.c) — compiled, compact
+* ``tokenspeed_router._native.Core`` (csrc/, one C extension) — compiled, compact
   (open-addressing tables, ~60 bytes a block), its own reader/writer lock:
   the default whenever the extension is built;
 * :class:`~tokenspeed_router.router.index_reference.ReferenceCore` — plain

@@ -2,7 +2,7 @@
 
 :class:`~tokenspeed_router.router.index.KvIndex` turns KV events into calls
 on a *core*; this module is one core, the compiled ``tokenspeed_router._native.Core``
-(csrc/native.c) is the other. Both have exactly these methods and give the
+(csrc/, C) is the other. Both have exactly these methods and give the
 same answers (the behaviour suite and the stateful test run both and compare).
 This one is the readable definition; the C one is the fast one.
 
