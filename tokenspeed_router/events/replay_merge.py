@@ -49,10 +49,11 @@ class Message:
 
     seq: int
     payload: bytes
-    batch: KVEventBatch
+    batch: KVEventBatch | None  # None: proved well formed by the native scanner, decoded on use
     topic: bytes
     recv_time_s: float
     replayed: bool
+    ts: float  # the batch's publisher timestamp
 
 
 class ReplayPurpose(enum.Enum):

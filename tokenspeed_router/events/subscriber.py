@@ -84,7 +84,7 @@ from types import MappingProxyType, TracebackType
 import zmq
 
 from tokenspeed_router.errors import WireError
-from tokenspeed_router.events.codec import BatchDecoder
+from tokenspeed_router.events.codec import BatchDecoder, decode_batch
 from tokenspeed_router.events.curve import CurveClientKeys
 from tokenspeed_router.events.frames import (
     END_SEQ,
@@ -123,6 +123,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+try:  # the compiled scanner proves the common payloads well formed without decoding them
+    from tokenspeed_router._native import scan_batch as _scan_batch
+except ImportError:
+    _scan_batch = None  # type: ignore[assignment]
+
 #: Messages handled per process_ready() call: bounds the memory held by one
 #: returned list (decoded batches are large) and keeps a group's polling fair.
 _MAX_MESSAGES_PER_CALL = 256
@@ -136,23 +141,74 @@ _LOG_INTERVAL_S = 10.0
 # --------------------------------------------------------------------- items
 
 
-@dataclass(frozen=True, slots=True)
 class BatchReceived:
-    """One batch, delivered in sequence order (``replayed``: it came through replay)."""
+    """One batch, delivered in sequence order (``replayed``: it came through replay).
 
-    worker: str
-    seq: int
-    batch: KVEventBatch
-    payload: bytes
-    topic: bytes
-    recv_time_s: float
-    epoch: int
-    replayed: bool
+    ``batch`` is decoded on first use when the subscriber did not need to:
+    a payload the native scanner (``_native.scan_batch``) proved well formed
+    is handed on undecoded, with its timestamp in ``batch_ts``, so the index
+    can apply it without a Python object per block (``KvIndex.apply_raw``).
+    Treat it as immutable (equality and hashing are by value).
+    """
+
+    __slots__ = ("_batch", "batch_ts", "epoch", "payload", "recv_time_s", "replayed", "seq", "topic", "worker")
+
+    def __init__(
+        self,
+        worker: str,
+        seq: int,
+        batch: KVEventBatch | None,
+        payload: bytes,
+        topic: bytes,
+        recv_time_s: float,
+        epoch: int,
+        replayed: bool,
+        batch_ts: float | None = None,
+    ) -> None:
+        if batch is None and batch_ts is None:
+            raise ValueError("an undecoded BatchReceived needs its batch_ts")
+        self.worker = worker
+        self.seq = seq
+        self._batch = batch
+        self.payload = payload
+        self.topic = topic
+        self.recv_time_s = recv_time_s
+        self.epoch = epoch
+        self.replayed = replayed
+        #: the publisher's timestamp of the batch (its wall clock, seconds)
+        self.batch_ts: float = batch.ts if batch is not None else batch_ts  # type: ignore[assignment]
 
     @property
-    def batch_ts(self) -> float:
-        """The publisher's timestamp of the batch (its wall clock, seconds)."""
-        return self.batch.ts
+    def batch(self) -> KVEventBatch:
+        """The decoded batch (decoded now if it was handed on undecoded)."""
+        b = self._batch
+        if b is None:
+            b = self._batch = decode_batch(self.payload)  # proved decodable by the scanner
+        return b
+
+    @property
+    def decoded(self) -> bool:
+        """Whether ``batch`` is already decoded."""
+        return self._batch is not None
+
+    def _key(self) -> tuple[object, ...]:
+        return (self.worker, self.seq, self.payload, self.topic, self.recv_time_s, self.epoch, self.replayed)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BatchReceived):
+            return NotImplemented
+        return self._key() == other._key() and (
+            self.payload != b"" or self.batch == other.batch  # items built without a payload (tests, tools)
+        )
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchReceived(worker={self.worker!r}, seq={self.seq}, batch_ts={self.batch_ts}, "
+            f"payload=<{len(self.payload)} bytes>, epoch={self.epoch}, replayed={self.replayed})"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -559,12 +615,16 @@ class EventSubscriber:
                 len(payload), self._max_payload_bytes,
             )
             return None
-        try:
-            batch = self._decoder.decode(payload)
-        except WireError as err:
-            self._malformed_frame("payload_decode", "%s", err)
-            return None
-        return Message(decode_seq(seq_frame), payload, batch, topic, now, replayed)
+        ts = _scan_batch(payload) if _scan_batch is not None else None
+        batch: KVEventBatch | None = None
+        if ts is None:  # not provably the common case: the typed decoder decides
+            try:
+                batch = self._decoder.decode(payload)
+            except WireError as err:
+                self._malformed_frame("payload_decode", "%s", err)
+                return None
+            ts = batch.ts
+        return Message(decode_seq(seq_frame), payload, batch, topic, now, replayed, ts)
 
     def _parse_replay(self, frames: list[bytes]) -> Message | bool:
         """A replayed message, True for the end marker, False for a skipped frame."""
@@ -671,7 +731,7 @@ class EventSubscriber:
         out.append(
             BatchReceived(
                 self._worker, message.seq, message.batch, message.payload, message.topic,
-                message.recv_time_s, self._tracker.epoch, message.replayed,
+                message.recv_time_s, self._tracker.epoch, message.replayed, message.ts,
             )
         )
 

@@ -416,9 +416,9 @@ class RouterService:
                     self._ingestor.on_item(item)
             if self._index.concurrent_reads:
                 self._ingestor.on_item(item)  # the core locks per event: queries run meanwhile
-            if isinstance(item, BatchReceived) and item.batch.ts > 0:
+            if isinstance(item, BatchReceived) and item.batch_ts > 0:
                 # publisher's timestamp -> visible to queries (same host clock assumed)
-                self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch.ts))
+                self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch_ts))
 
     def apply_record(
         self, worker: str, seq: int, batch: KVEventBatch, recv_time_s: float, *, payload: bytes | None = None
