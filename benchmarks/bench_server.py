@@ -499,18 +499,32 @@ def measure_costs(num_workers: int, prompt_tokens: int, n: int = 3000) -> dict[s
             events.insert(0, streamer_like.removes[0][(j - POOL // 2) % POOL])
         payloads.append(encode_batch(streamer_like.KVEventBatch(time.time(), events)))
     decoder = BatchDecoder()
-    ingest = RouterService(ServerConfig(http=None))
     prefix = encode_batch(streamer_like.KVEventBatch(time.time(), [streamer_like.prefixes[0]]))
-    ingest.apply_item(BatchReceived("w0", 0, decoder.decode(prefix), prefix, b"", time.time(), 0, False))
+    from tokenspeed_router import _native
 
-    def apply(i: int) -> None:
+    def ingest_service() -> RouterService:
+        svc = RouterService(ServerConfig(http=None))
+        svc.apply_item(BatchReceived("w0", 0, decoder.decode(prefix), prefix, b"", time.time(), 0, False))
+        return svc
+
+    typed, raw = ingest_service(), ingest_service()
+
+    def apply_typed(i: int) -> None:  # the typed path: decode to Python objects, KvIndex.apply
         batch = decoder.decode(payloads[i])
-        ingest.apply_item(BatchReceived("w0", i + 1, batch, payloads[i], b"", time.time(), 0, False))
+        typed.apply_item(BatchReceived("w0", i + 1, batch, b"", b"", time.time(), 0, False))
 
-    timed("ingest_batch_decode_apply_us", apply)
+    def apply_raw(i: int) -> None:  # what serve does now: scan (no objects), then apply_raw in C
+        ts = _native.scan_batch(payloads[i])
+        raw.apply_item(BatchReceived("w0", i + 1, None, payloads[i], b"", time.time(), 0, False, ts))
+
+    timed("ingest_batch_decode_apply_us", apply_typed)
+    timed("ingest_batch_scan_apply_raw_us", apply_raw)
+    assert raw.ingestor.raw_batches == n, "the raw path did not take the churn batches"
     out["ingest_stored_blocks_per_cpu_s"] = CHAIN_BLOCKS / (out["ingest_batch_decode_apply_us"] * 1e-6)
+    out["ingest_raw_stored_blocks_per_cpu_s"] = CHAIN_BLOCKS / (out["ingest_batch_scan_apply_raw_us"] * 1e-6)
+    typed.stop()
+    raw.stop()
     service.stop()
-    ingest.stop()
     return out
 
 
