@@ -609,7 +609,7 @@ def _ingest_counters(http_port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/workers", timeout=10) as resp:
         ws = json.loads(resp.read())
     out: dict[str, float] = {k: float(sum(w.get(k) or 0 for w in ws.values()))
-                             for k in ("gaps", "resyncs", "events_rejected", "replayed_batches")}
+                             for k in ("gaps", "resyncs", "events_rejected", "replayed_batches", "shed_batches")}
     # publisher timestamp -> applied, of each worker's last applied batch: the backlog, in seconds
     out["max_lag_s"] = max((float(w.get("ingest_delay_s") or 0.0) for w in ws.values()), default=0.0)
     out["not_live"] = float(sum(1 for w in ws.values() if w.get("state") != "live"))
@@ -722,7 +722,8 @@ def main() -> int:
                     "loop_lag_p99_le_ms": _bucket_quantile(lag0, lag1, 0.99) * 1e3,
                     "loop_lag_over_10ms": _over(lag0, lag1, 0.01), "loop_lag_over_50ms": _over(lag0, lag1, 0.05),
                     "lag_at_stop_s": at_stop["max_lag_s"],
-                    **{k: after[k] - counters0[k] for k in ("gaps", "resyncs", "events_rejected", "replayed_batches")},
+                    **{k: after[k] - counters0[k]
+                       for k in ("gaps", "resyncs", "events_rejected", "replayed_batches", "shed_batches")},
                     "workers_not_live": after["not_live"]}
 
         def query_phase(kind: str) -> dict[str, Any]:
@@ -783,7 +784,8 @@ def _summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             for key in ("match_req_per_s", "match_vs_idle", "visible_p50_ms", "visible_p99_ms", "visible_max_ms",
                         "applied_p50_le_ms", "applied_p99_le_ms", "loop_lag_p99_le_ms", "loop_lag_over_10ms",
                         "loop_lag_over_50ms",
-                        "catch_up_s", "lag_at_stop_s", "gaps", "resyncs", "visible_lost", "streamed_blocks_per_s"):
+                        "catch_up_s", "lag_at_stop_s", "gaps", "resyncs", "shed_batches", "visible_lost",
+                        "streamed_blocks_per_s"):
                 if key in row:
                     figures.setdefault(f"ingest[{tag}].{key}", []).append(row[key])
         for kind in ("zmq", "http"):

@@ -67,6 +67,7 @@ from tokenspeed_router.errors import IndexConsistencyError, WireError
 from tokenspeed_router.events.schema import AllBlocksCleared, BlockStored, KVEventBatch
 from tokenspeed_router.events.sequencing import SequenceTracker, VerdictKind
 from tokenspeed_router.events.subscriber import (
+    RESYNC_SHED,
     BatchReceived,
     PublisherRestarted,
     ResyncNeeded,
@@ -239,6 +240,8 @@ class IndexIngestor:
         elif isinstance(item, ResyncNeeded):
             t = self._track(item.worker)
             t.epoch = item.epoch
+            if item.reason == RESYNC_SHED:
+                t.last_seq = item.got_seq - 1  # consumed from the stream, on purpose not applied
             self._resync(
                 item.worker, t, f"{item.reason} (expected {item.expected_seq}, got {item.got_seq})"
             )
