@@ -214,6 +214,15 @@ static PyObject *Core_set_block_size(Core *c, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* What store and store_hashed answer: (new, duplicate) blocks, None when the
+ * parent is unknown (nothing changed), or MemoryError (the event's blocks up
+ * to the failing one are held: each block is stored whole or not at all). */
+static PyObject *stored_answer(int err, int unknown, long added, long dup) {
+    if (err) return PyErr_NoMemory();
+    if (unknown) Py_RETURN_NONE;
+    return Py_BuildValue("ll", added, dup);
+}
+
 /* store(name, ext_ids, parent, root, tokens, block_size, nfull, tier, unmatchable)
  *   -> (new, duplicate) or None when the parent is unknown (nothing changed). */
 static PyObject *Core_store(Core *c, PyObject *args) {
@@ -297,9 +306,7 @@ static PyObject *Core_store(Core *c, PyObject *args) {
     free(toks);
     free(keys);
     free(kinds);
-    if (err) return PyErr_NoMemory();
-    if (unknown) Py_RETURN_NONE;
-    return Py_BuildValue("ll", added, dup);
+    return stored_answer(err, unknown, added, dup);
 }
 
 /* store_hashed(name, ext_ids, parent, contents, unmatchable_flags (bytes or None), tier)
@@ -371,9 +378,7 @@ static PyObject *Core_store_hashed(Core *c, PyObject *args) {
     free(cs);
     free(keys);
     free(kinds);
-    if (err) return PyErr_NoMemory();
-    if (unknown) Py_RETURN_NONE;
-    return Py_BuildValue("ll", added, dup);
+    return stored_answer(err, unknown, added, dup);
 bad:
     free(cs);
     free(keys);

@@ -66,7 +66,10 @@ static struct PyModuleDef moddef = {
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&moddef);
     if (!m) return NULL;
-    if (core_type_add(m) < 0 || PyModule_AddIntConstant(m, "XXH_VERSION", XXH_VERSION_NUMBER) < 0) {
+    /* the tier bits, for a test that they are router/tiers.py's */
+    if (core_type_add(m) < 0 || PyModule_AddIntConstant(m, "XXH_VERSION", XXH_VERSION_NUMBER) < 0 ||
+        PyModule_AddIntConstant(m, "GPU", GPU) < 0 || PyModule_AddIntConstant(m, "CPU", CPU) < 0 ||
+        PyModule_AddIntConstant(m, "STORAGE", STORAGE) < 0) {
         Py_DECREF(m);
         return NULL;
     }

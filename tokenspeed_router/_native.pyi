@@ -4,6 +4,10 @@ from collections.abc import Sequence
 from typing import Any
 
 XXH_VERSION: int
+#: the tier bits of csrc/common.h (router/tiers.py defines them; a test compares)
+GPU: int
+CPU: int
+STORAGE: int
 
 def hash_blocks(tokens: Any, block_size: int, seed: int, /) -> list[int]: ...
 def chain_hash(data: bytes | bytearray | memoryview, seed: int = 0, /) -> int: ...

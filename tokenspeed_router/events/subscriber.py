@@ -424,10 +424,13 @@ class EventSubscriber:
         The publisher may be a new process whose first batches went out before
         the connection was back; if its first seq seen is above the last one
         delivered, the stream alone cannot show the restart. So, with a replay
-        endpoint, the next :meth:`process_ready` replays from 0 and compares
-        the batches the publisher holds with those delivered under the same
-        seqs: different bytes mean a restart (PublisherRestarted, then the new
-        process's batches from 0); the same bytes (a network blip) or nothing
+        endpoint, the next :meth:`process_ready` replays from the last seq
+        delivered (not from 0: a relay whose ring has wrapped answers that
+        with its snapshot, under seqs delivered before with other bytes; only
+        when nothing comes back from there, as from a new process still below
+        that seq, from 0) and compares the batches the publisher holds with
+        those delivered under the same seqs: different bytes mean a restart
+        (PublisherRestarted, then the new process's batches, replayed from 0); the same bytes (a network blip) or nothing
         to compare change nothing. Without a replay endpoint this is a no-op.
         """
         if self._replay_endpoint is not None and not self._closed:
@@ -456,8 +459,9 @@ class EventSubscriber:
             self._catch_up(out)
         if self._verify_pending and self._replay is None:
             self._verify_pending = False
-            if self._joined and self._tracker.last_seq is not None:
-                self._start_replay(0, ReplayPurpose.VERIFY, None, out)
+            last = self._tracker.last_seq
+            if self._joined and last is not None:
+                self._start_replay(last, ReplayPurpose.VERIFY, None, out)  # see connection_reset
         self._pump_replay(out)
         self._drain_held(out)
         for _ in range(_MAX_MESSAGES_PER_CALL):
@@ -831,8 +835,17 @@ class EventSubscriber:
         replay = self._replay
         assert replay is not None
         self._replay = None
-        if replay.purpose is ReplayPurpose.VERIFY and not self._verified_restart(replay, failure, out):
-            return  # same process (or nothing to tell): held messages go the live way
+        if replay.purpose is ReplayPurpose.VERIFY:
+            if replay.start_seq > 0 and failure is None and not replay.items:
+                # it holds nothing from our last seq on: a new process still below it? compare from 0
+                self._start_replay(0, ReplayPurpose.VERIFY, None, out)
+                return
+            if not self._verified_restart(replay, failure, out):
+                return  # same process (or nothing to tell): held messages go the live way
+            if replay.start_seq > 0:
+                # the new process's batches from 0 (the verify asked from the last seq delivered)
+                self._start_replay(0, ReplayPurpose.RESTART, None, out)
+                return
         plan = merge_replay(
             replay.start_seq, replay.items, self._held,
             fresh=replay.purpose is ReplayPurpose.JOIN,  # very first connection: old history is no loss

@@ -68,6 +68,7 @@ from tokenspeed_router.router.decision import (
     explain_pool,
 )
 from tokenspeed_router.router.index import lora_key
+from tokenspeed_router.router.peer_work import PeerPredictions
 from tokenspeed_router.router.scoring import (
     ApproxPrefixStore,
     CostWeights,
@@ -344,6 +345,8 @@ class Router:
         self._rng = rng if rng is not None else random.Random(config.seed)
         self._load_provider = load_provider
         self._peer_load = peer_load
+        #: the peer-load provider again when it also exchanges route predictions
+        self._peer_predictions = peer_load if isinstance(peer_load, PeerPredictions) else None
         self._workers: dict[str, _Worker] = {}
         #: workers taken from the index, not added explicitly (see ``_discover``)
         self._discovered: set[str] = set()
@@ -386,6 +389,7 @@ class Router:
     def set_peer_load(self, peer_load: PeerLoad | None) -> None:
         """Start (or stop, with None) adding other replicas' load to this router's."""
         self._peer_load = peer_load
+        self._peer_predictions = peer_load if isinstance(peer_load, PeerPredictions) else None
 
     # --- membership -----------------------------------------------------------
 
@@ -513,6 +517,9 @@ class Router:
         known: dict[str, PrefixCredit] = {}
         hashes: list[ContentHash] | None = None
         detail: MatchDetailLike | None = None
+        shared = self._peer_predictions
+        if shared is not None:
+            self._remember_peers(shared, now)
         if policy in (Policy.KV_AWARE, Policy.APPROX):
             known, hashes, detail = self._knowledge(token_ids, lora_id, salt, now)
 
@@ -542,6 +549,8 @@ class Router:
         self._admit(request_id, now, num_tokens, known, decode, prefill)
         if hashes is not None:
             self._remember(hashes, (site, decode), now)
+            if shared is not None:
+                shared.routed((site, decode) if site != decode else (site,), hashes)
         self._routed += 1
         if prefill is not None:
             self._remote_prefills += 1
@@ -905,6 +914,14 @@ class Router:
                 self._approx.record(name, hashes, now)
             elif self._predicted is not None:
                 self._predicted.record(name, hashes, now)
+
+    def _remember_peers(self, shared: PeerPredictions, now: float) -> None:
+        """Remember the other replicas' routes as if this router had made them."""
+        workers = self._workers
+        for p in shared.take_predictions():
+            known = tuple(w for w in p.workers if w in workers)
+            if known:
+                self._remember([ContentHash(h) for h in p.hashes], known, now)
 
     def _drop(self, entry: _InFlight) -> None:
         if self._peer_load is not None and entry.parts:

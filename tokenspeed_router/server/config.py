@@ -43,6 +43,7 @@ from tokenspeed_router.endpoints import (
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.router.router import RouterConfig
+from tokenspeed_router.server.explain import ExplainConfig
 from tokenspeed_router.server.worker_spec import (
     WORKER_KEYS,
     SubscriberSpec,
@@ -111,6 +112,8 @@ class ServerConfig:
     #: batches queued between the receiving and the applying thread (back-pressure beyond)
     ingest_queue: int = 4096
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    #: why this worker: --decision-log, --explain-sample (server/explain.py)
+    explain: ExplainConfig = field(default_factory=ExplainConfig)
 
     def __post_init__(self) -> None:
         names: set[str] = set()
@@ -158,6 +161,19 @@ def _positive_float(value: Any, what: str) -> float:
         raise ConfigError(f"{what}: expected a number, got {value!r}") from None
     if not out > 0 or out == float("inf"):
         raise ConfigError(f"{what}: must be a positive finite number, got {value!r}")
+    return out
+
+
+def _fraction(value: Any, what: str) -> float:
+    """A number in [0, 1] (a rate such as ``--explain-sample``)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a number in [0, 1], got {value!r}")
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}: expected a number in [0, 1], got {value!r}") from None
+    if not 0.0 <= out <= 1.0:  # NaN fails too
+        raise ConfigError(f"{what}: must be in [0, 1] (a fraction of decisions), got {value!r}")
     return out
 
 
@@ -241,8 +257,13 @@ _SCALARS: dict[str, Callable[[Any, str], Any]] = {
     "upstream_retries": lambda v, what: _int(v, what, low=0),
     "worker_down_cooldown_s": _positive_float,
     "truth_window": _int,
+    "otlp_traces_endpoint": _text,
+    "decision_log": lambda v, what: check_output_path(_text(v, what), what),
+    "explain_sample": _fraction,
+    "decision_log_max_bytes": _int,
 }
 assert set(GatewayConfig.setting_names()) <= set(_SCALARS), "every gateway setting needs a parser"
+assert set(ExplainConfig.setting_names()) <= set(_SCALARS), "every explain setting needs a parser"
 KNOWN_KEYS = (*_SCALARS, "workers", "router")
 #: the router table's key in the environment (``TOKENSPEED_ROUTER_ROUTER`` would read as a typo)
 _ROUTER_ENV = ENV_PREFIX + "ROUTER_OPTIONS"
@@ -375,6 +396,7 @@ def load_server_config(
     if limits:
         kwargs["limits"] = ApiLimits(**limits)
     kwargs["gateway"] = GatewayConfig(**{k: values[k][0] for k in GatewayConfig.setting_names() if k in values})
+    kwargs["explain"] = ExplainConfig(**{k: values[k][0] for k in ExplainConfig.setting_names() if k in values})
     # Router knobs merge knob by knob (unlike workers): a flag overriding one
     # knob should not reset the others set in the file.
     knobs: dict[str, Any] = {}

@@ -59,6 +59,8 @@ _MONITOR_EVENTS = (
 )
 _POLL_MS = 20
 _STALE_CHECK_S = 0.05
+#: How long the loop blocks on its command queue while it holds no stream.
+_IDLE_WAIT_S = 1.0
 
 
 @dataclass
@@ -132,6 +134,7 @@ class IngestLoop:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop polling, close every subscriber, apply what was received; returns when both threads exited."""
         self._stop.set()
+        self._commands.put((lambda: None, Future()))  # wakes a loop idle on its queue
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -304,6 +307,9 @@ class IngestLoop:
                     logger.exception("worker=%s close failed", name)
 
     def _poll_once(self) -> None:
+        if not self._streams:
+            self._idle_wait()
+            return
         items, ready_monitors = self._group.poll_with(
             _POLL_MS / 1000.0,
             watch=list(self._by_monitor),
@@ -345,18 +351,36 @@ class IngestLoop:
             )
         self._queue.put(out)
 
+    def _idle_wait(self) -> None:
+        """Block on the command queue while no stream is open.
+
+        A zmq poll over no sockets returns at once, so a loop with nothing
+        subscribed (a ``--state`` follower) would spin a core. The next thing
+        that can change anything here is a command (open a stream, stop),
+        and :meth:`stop` enqueues one, so waiting on the queue loses nothing.
+        """
+        try:
+            fn, fut = self._commands.get(timeout=_IDLE_WAIT_S)
+        except queue.Empty:
+            return
+        self._run_one(fn, fut)
+
     def _run_commands(self) -> None:
         while True:
             try:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as err:
-                fut.set_exception(err)
+            self._run_one(fn, fut)
+
+    @staticmethod
+    def _run_one(fn: Callable[[], Any], fut: Future[Any]) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as err:
+            fut.set_exception(err)
 
     def _error(self, what: str) -> None:
         self._on_error()
