@@ -161,6 +161,7 @@ def test_service_sheds_a_stream_that_fell_behind_and_recovers() -> None:
         assert w["shed_batches"] > 0 and w["resyncs"] >= 1 and w["state"] == "resyncing"
         assert b"tokenspeed_ingest_shed_batches_total" in service.metrics_text()
         assert service.match(first).scores.get("w0", 0) == 0  # entries dropped, never stale
+        assert isinstance(service.health()["lagging"], list)
         pub.publish(KVEventBatch(time.time(), [AllBlocksCleared()]))  # exact again from here
         wait_until(lambda: service.workers()["w0"]["state"] == "live", 10, what="live again")
         wait_until(lambda: not service.workers()["w0"]["lagging"], 10, what="caught up")

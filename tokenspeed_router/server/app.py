@@ -683,6 +683,7 @@ class RouterService:
         ``ok``/``degraded`` (see ``server/http.py``).
         """
         state = self._state_health() if self._state_health is not None else None
+        lag = self._loop.lag() if self._loop is not None else {}
         problems: list[str] = []
         if self._workers.streams:
             with self._lock:
@@ -704,6 +705,8 @@ class RouterService:
             "index_core": self._index.implementation,  # native, or reference (pure Python: slow)
             "ingesting": self._loop is not None and self._loop.running,  # the loop runs
             "subscribed": self._ingesting,  # False while a replicated backend leads elsewhere
+            # streams whose events reach the index late (informational: still served, see /workers)
+            "lagging": sorted(n for n, st in lag.items() if st.lagging),
             **({"state": state} if state is not None else {}),
         }
 
