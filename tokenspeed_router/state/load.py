@@ -280,6 +280,10 @@ class SharedLoad:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._last_ok: float | None = None
+        #: when each direction last worked (a broken subscription with working
+        #: publishes must still end in fallback: the peers' view ages out)
+        self._last_pub_ok: float | None = None
+        self._last_sub_ok: float | None = None
         self._pub_ok = True
         self._sub_ok = True
         self._fallback = False
@@ -388,6 +392,7 @@ class SharedLoad:
         self._syncs += 1
         self._predictions_sent += len(routes)
         self._pub_ok = True
+        self._last_pub_ok = self._clock()
         self._answered()
         if outgoing:
             self._dirty.set()  # more routes than one message carries
@@ -451,6 +456,7 @@ class SharedLoad:
             self._expire()
             return False
         self._sub_ok = True
+        self._last_sub_ok = self._clock()
         self._answered()
         changed = False
         now_wall = time.time()
@@ -531,7 +537,10 @@ class SharedLoad:
             return True
         if self._pub_ok and self._sub_ok:
             return False
-        age = None if self._last_ok is None else self._clock() - self._last_ok
+        failing = [t for ok, t in ((self._pub_ok, self._last_pub_ok), (self._sub_ok, self._last_sub_ok))
+                   if not ok]
+        last = None if any(t is None for t in failing) else min(t for t in failing if t is not None)
+        age = None if last is None else self._clock() - last
         if age is not None and age < self._config.load_ttl_s:
             return False
         self._fallback = True
