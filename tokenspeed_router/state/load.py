@@ -504,8 +504,11 @@ class SharedLoad:
         return False
 
     def _publish_view(self) -> None:
+        if self._fallback:  # the local view only, until Redis answers both ways
+            self._peers = {}
+            return
         sums: dict[str, list[int]] = {}
-        for p in self._view.values():
+        for p in list(self._view.values()):  # one C-level copy: the other thread may change it
             for worker, (r, q, a) in p.load.items():
                 s = sums.setdefault(worker, [0, 0, 0])
                 s[0] += r
@@ -521,8 +524,11 @@ class SharedLoad:
             if self._fallback or self._last_error is not None:
                 logger.warning("state: load sharing back (Redis answers again); %d peer replica(s)",
                                len(self._view))
+            was_fallback = self._fallback
             self._fallback = False
             self._last_error = None
+            if was_fallback:
+                self._publish_view()
 
     def _failed(self, err: BaseException) -> None:
         self._sync_errors += 1
