@@ -1,9 +1,13 @@
-"""Types of the compiled core (csrc/native.c); see router/index_reference.py for the semantics."""
+"""Types of the compiled core (csrc/, native.c lists its files); see router/index_reference.py for the semantics."""
 
 from collections.abc import Sequence
 from typing import Any
 
 XXH_VERSION: int
+#: the tier bits of csrc/common.h (router/tiers.py defines them; a test compares)
+GPU: int
+CPU: int
+STORAGE: int
 
 def hash_blocks(tokens: Any, block_size: int, seed: int, /) -> list[int]: ...
 def chain_hash(data: bytes | bytearray | memoryview, seed: int = 0, /) -> int: ...

@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "loadgen": ("tokenspeed_router.loadgen.cli_loadgen",
                 "replay a Mooncake trace against an OpenAI endpoint (TTFT, hit ratio, spread)"),
     "relay": ("tokenspeed_router.relay.cli_relay", "follow one engine's KV events, republish them with snapshots"),
+    "doctor": ("tokenspeed_router.doctor.cli_doctor",
+               "check that the engines and the router agree (events, block size, tokens, hashes, usage)"),
     "engine-sim": (
         "tokenspeed_router.engine_sim.cli_engine_sim",
         "a simulated vLLM engine: OpenAI API, real prefix cache, real KV events",

@@ -38,6 +38,7 @@ from tokenspeed_router.gateway.http1 import ConnectFailed, Http1Response, Upstre
 from tokenspeed_router.gateway.openai import OpenAIError, ParsedRequest
 from tokenspeed_router.gateway.sse import SseRelay, sse_error_event
 from tokenspeed_router.gateway.tokenize import PromptTokenizer, TokenizeError
+from tokenspeed_router.gateway.tracing import RequestSpan
 from tokenspeed_router.gateway.truth import TruthLoop, TruthSample, cap_prediction
 from tokenspeed_router.gateway.upstream import Target, Upstreams, is_timeout, is_unreachable
 from tokenspeed_router.router.decision import RouteDecision
@@ -191,12 +192,14 @@ class Proxy:
     # --- the request ---------------------------------------------------------------
 
     async def handle(self, req: ParsedRequest, tokens: list[int], send: Send,
-                     headers: dict[str, str], explain: bool = False) -> None:
+                     headers: dict[str, str], explain: bool = False, *,
+                     trace: RequestSpan | None = None) -> None:
         """Answer ``req`` on ``send``; raises :class:`OpenAIError` before anything is sent.
 
         ``explain``: the client sent ``x-tokenspeed-explain: 1``; an explained
         decision (asked for, or sampled by ``--explain-sample``) is answered in
         the ``x-tokenspeed-route`` header (``gateway/explain.py``).
+        ``trace`` (``--otlp-traces-endpoint``) is told each routing decision.
         """
         request_id = f"{self._id_prefix}{next(self._ids)}"
         attempts = 0
@@ -204,6 +207,8 @@ class Proxy:
         try:
             while True:
                 plan = self._plan(tokens, request_id, explain)
+                if trace is not None:
+                    trace.routed(plan.decision, req.kind)
                 try:
                     if plan.remote_prefill:
                         await self._disaggregated(req, tokens, plan, send, headers)
@@ -331,9 +336,15 @@ class Proxy:
         """Relay an SSE answer; True when the engine's stream was read to its end."""
         relay = SseRelay(strip_usage=strip)
         started = False
+        # the prefill is done at the first *generated* token, not the first byte: a chat
+        # stream's role chunk comes before the prefill runs (see sse.py)
+        prefilled = not observe
         try:
             while (chunk := await resp.next_chunk()) is not None:
                 out = relay.feed(chunk)
+                if not prefilled and relay.generated:
+                    prefilled = True
+                    self._prefill_done(plan.request_id)
                 if not out:
                     continue
                 if not started:
@@ -341,8 +352,6 @@ class Proxy:
                     await send({"type": "http.response.start", "status": 200, "headers": [
                         (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                         *worker_headers]})
-                    if observe:
-                        self._prefill_done(plan.request_id)
                 await send({"type": "http.response.body", "body": out, "more_body": True})
         except _TRANSPORT as err:
             if not started:

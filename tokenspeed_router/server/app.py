@@ -16,15 +16,13 @@ Threads and who touches what::
 
 Two locks, always taken in this order: ``RouterService._ingest_lock`` (one
 writer into the ingestor and the index at a time) and ``RouterService._lock``
-(the router's state: workers, roles, cold flags, requests in flight). With
-the native index core (``KvIndex.concurrent_reads``) an item is applied
-holding only the ingest lock: the core locks each event and each query on its
-own, so ``/match`` and ``/route`` never wait behind a whole batch (they may see
-a batch half applied, never a block half stored); worker state changes take
-``_lock`` for the moment they touch the router. With the reference core an
-item is applied whole under both locks, as before. Queries hold ``_lock`` for
-a routing decision (microseconds); ``/match`` on the native core takes no
-lock of ours at all. The replay round trips of a subscriber happen on the
+(the router's state: workers, roles, cold flags, requests in flight). An
+item is applied holding only the ingest lock: the index (either core) locks
+each event and each query on its own, so ``/match`` and ``/route`` never wait
+behind a whole batch (they may see a batch half applied, never a block half
+stored); worker state changes take ``_lock`` for the moment they touch the
+router. Queries hold ``_lock`` for a routing decision (microseconds);
+``/match`` takes no lock of ours at all. The replay round trips of a subscriber happen on the
 ingestion thread without either lock.
 
 The ingestion seam (for the Redis state backend and anything else that wants
@@ -81,7 +79,12 @@ from tokenspeed_router.server.config import ServerConfig, SubscriberSpec, Worker
 from tokenspeed_router.server.decision_log import DecisionLogCollector, DecisionLogWriter
 from tokenspeed_router.server.explain import ExplainSampler, ExplainStats, ExplainStatsCollector
 from tokenspeed_router.server.ingest_loop import IngestLoop
-from tokenspeed_router.server.metrics import ServiceMetrics, WorkerSample, WorkerStateCollector
+from tokenspeed_router.server.metrics import (
+    IndexCoreCollector,
+    ServiceMetrics,
+    WorkerSample,
+    WorkerStateCollector,
+)
 from tokenspeed_router.server.worker_report import worker_entries, worker_samples
 from tokenspeed_router.server.workers import WorkerRegistry
 
@@ -191,6 +194,7 @@ class RouterService:
         self._lock = threading.RLock()  # re-entered by _on_state_change under the writers below
         self.metrics = ServiceMetrics(self._lock)
         self.metrics.add_collector(WorkerStateCollector(self._worker_samples))
+        self.metrics.add_collector(IndexCoreCollector(lambda: self._index.implementation))
         self._wall_clock = wall_clock
         self._started_s = time.monotonic()
         self._own_context = context is None
@@ -270,7 +274,7 @@ class RouterService:
         self._loop.start(subs if self._ingesting else [])
         self._serving = True
         self._notify_loop_changed()
-        logger.info("router service started with %d stream(s)", len(subs))
+        logger.info("router service started with %d stream(s), index core %s", len(subs), self._index.implementation)
 
     def _abort_start(self) -> None:
         """Undo a partial :meth:`start` (best effort, never raises)."""
@@ -437,10 +441,7 @@ class RouterService:
                 if isinstance(item, BatchReceived) and item.replayed:
                     replayed = self._workers.replayed
                     replayed[item.worker] = replayed.get(item.worker, 0) + 1
-                if not self._index.concurrent_reads:
-                    self._ingestor.on_item(item)
-            if self._index.concurrent_reads:
-                self._ingestor.on_item(item)  # the core locks per event: queries run meanwhile
+            self._ingestor.on_item(item)  # the index locks per event: queries run meanwhile
             if isinstance(item, BatchReceived) and item.batch.ts > 0:
                 # publisher's timestamp -> visible to queries (same host clock assumed)
                 self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch.ts))
@@ -452,10 +453,7 @@ class RouterService:
         with self._ingest_lock:
             with self._lock:
                 self._ensure_worker(worker)
-                if not self._index.concurrent_reads:
-                    self._ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
-            if self._index.concurrent_reads:
-                self._ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
+            self._ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
 
     def _ensure_worker(self, name: str) -> None:
         # under the lock
@@ -578,16 +576,10 @@ class RouterService:
         :class:`~tokenspeed_router.errors.WireError` for token ids that cannot be hashed.
         """
         t0 = time.perf_counter()
-        index = self._index
-        if index.concurrent_reads:
-            # The native core locks each query and each event itself: a
-            # match never waits behind a whole batch held under our lock.
-            detail = index.match_detail(token_ids, lora_id=lora_id, salt=salt)
-            self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
-        else:
-            with self._lock:
-                detail = index.match_detail(token_ids, lora_id=lora_id, salt=salt)
-                self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
+        # The index locks each query and each event itself: a match never
+        # waits behind a whole batch, and takes no lock of ours.
+        detail = self._index.match_detail(token_ids, lora_id=lora_id, salt=salt)
+        self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
         return detail
 
     def route(
@@ -702,6 +694,7 @@ class RouterService:
             "problems": problems,
             "uptime_s": round(time.monotonic() - self._started_s, 3),
             "workers": len(self._workers.roles),
+            "index_core": self._index.implementation,  # native, or reference (pure Python: slow)
             "ingesting": self._loop is not None and self._loop.running,  # the loop runs
             "subscribed": self._ingesting,  # False while a replicated backend leads elsewhere
             **({"state": state} if state is not None else {}),
@@ -769,7 +762,8 @@ class RouterService:
         now = self._wall_clock()
         stats = self._loop.statistics() if self._loop is not None else {}
         with self._lock:
-            samples = worker_samples(self._workers, self._index, self._ingestor.statuses(), stats, now)
+            samples = worker_samples(self._workers, self._index, self._ingestor.statuses(), stats, now,
+                                     self._router.load())
         return iter(samples)
 
     @contextmanager

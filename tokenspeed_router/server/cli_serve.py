@@ -127,6 +127,9 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a down worker is routed to again when its /health answers, or after S seconds (default 30)")
     g.add_argument("--truth-window", type=int, metavar="N",
                    help="judge each worker's reported cached tokens over its last N informative requests (default 16)")
+    g.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="export one OpenTelemetry span per gateway request (the routing decision as attributes) "
+                   "to this OTLP/HTTP endpoint, e.g. http://collector:4318/v1/traces; needs the otel extra")
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> ServerConfig:

@@ -249,6 +249,7 @@ _SCALARS: dict[str, Callable[[Any, str], Any]] = {
     "upstream_retries": lambda v, what: _int(v, what, low=0),
     "worker_down_cooldown_s": _positive_float,
     "truth_window": _int,
+    "otlp_traces_endpoint": _text,
     "decision_log": lambda v, what: check_output_path(_text(v, what), what),
     "explain_sample": _fraction,
     "decision_log_max_bytes": _int,

@@ -70,6 +70,32 @@ class WorkerSample:
     malformed: int = 0
     duplicates: int = 0
     blocks_by_tier: dict[str, int] = field(default_factory=dict)
+    #: this process's in-flight load on the worker (the router's own, not the peers')
+    in_flight_requests: int = 0
+    pending_prefill_tokens: int = 0
+    active_tokens: int = 0
+
+
+class IndexCoreCollector(Collector):
+    """``tokenspeed_index_core_info{core="native"} 1``: which KV index core runs, read at scrape time.
+
+    Read from the service's current index (a warm start may replace it), so a
+    fall-back to the pure-Python core shows on a dashboard, not only in a log.
+    """
+
+    def __init__(self, core: Callable[[], str]) -> None:
+        self._core = core
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        info = GaugeMetricFamily(
+            "tokenspeed_index_core_info", "the KV index core running (native: compiled; reference: Python)",
+            labels=["core"],
+        )
+        info.add_metric([self._core()], 1)
+        yield info
 
 
 class WorkerStateCollector(Collector):
@@ -124,7 +150,20 @@ class WorkerStateCollector(Collector):
             "tokenspeed_worker_state", "1 for the worker's current state", labels=["worker", "state"]
         )
         info = GaugeMetricFamily("tokenspeed_worker_info", "configured role", labels=["worker", "role"])
+        load: dict[str, GaugeMetricFamily] = {
+            "in_flight_requests": GaugeMetricFamily(
+                "tokenspeed_worker_in_flight_requests", "requests this router has in flight on the worker",
+                labels=["worker"]),
+            "pending_prefill_tokens": GaugeMetricFamily(
+                "tokenspeed_worker_pending_prefill_tokens",
+                "uncached prompt tokens routed to the worker whose prefill has not finished", labels=["worker"]),
+            "active_tokens": GaugeMetricFamily(
+                "tokenspeed_worker_active_tokens", "context tokens of the requests in flight on the worker",
+                labels=["worker"]),
+        }
         for s in samples:
+            for attr, gauge in load.items():
+                gauge.add_metric([s.name], float(getattr(s, attr)))
             if s.lag_s is not None:
                 lag.add_metric([s.name], s.lag_s)
             for tier, n in sorted(s.blocks_by_tier.items()):
@@ -132,7 +171,7 @@ class WorkerStateCollector(Collector):
             for st in self.STATES:
                 state.add_metric([s.name, st], 1.0 if s.state == st else 0.0)
             info.add_metric([s.name, s.role], 1.0)
-        yield from (lag, blocks, state, info)
+        yield from (lag, blocks, state, info, *load.values())
 
 
 class LatencyHistogram:

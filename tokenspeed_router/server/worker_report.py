@@ -36,7 +36,8 @@ def worker_entries(
     ``info`` holds role, state, blocks held (``blocks``, also as
     ``blocks_held``), last seq, events applied and lag (``lag_s``: seconds
     since the worker's last batch timestamp, also as ``lag``), plus
-    counters and endpoints. ``peers``: other router replicas' in-flight load
+    counters and endpoints, and ``index_core`` (``native`` or ``reference``:
+    which KvIndex core runs). ``peers``: other router replicas' in-flight load
     per worker (shared load), reported as ``in_flight_peers``.
     """
     peers = peers or {}
@@ -56,6 +57,9 @@ def worker_entries(
             "blocks_held": blocks,
             "blocks_by_tier": index.blocks_by_tier(name),
             "block_size": index.block_size_of(name),
+            # the index core holding these blocks (same for every entry; an entry per
+            # worker, since the answer's top level names workers only)
+            "index_core": index.implementation,
             "last_seq": st.last_seq if st is not None else None,
             "epoch": st.epoch if st is not None else 0,
             "batches_applied": st.batches_applied if st is not None else 0,
@@ -71,11 +75,14 @@ def worker_entries(
             "lag": lag,
             "ingest_delay_s": st.lag_s if st is not None else None,
             "in_flight": getattr(wl, "active_requests", 0) if wl is not None else 0,
+            # uncached prompt tokens routed there whose first token has not come out yet
+            "queued_prefill_tokens": getattr(wl, "pending_prefill_tokens", 0) if wl is not None else 0,
             # requests other router replicas have in flight there (shared load)
             "in_flight_peers": peers[name].active_requests if name in peers else 0,
             "connected": connected.get(name),
             "events_endpoint": sub.events if sub is not None else None,
             "replay_endpoint": sub.replay if sub is not None else None,
+            "topic": sub.topic if sub is not None else None,
         }
     return out
 
@@ -86,8 +93,11 @@ def worker_samples(
     statuses: Mapping[str, WorkerStatus],
     stats: Mapping[str, Any],
     now: float,
+    load: Mapping[str, Any] | None = None,
 ) -> list[WorkerSample]:
-    """One Prometheus sample per worker the ingestor knows (``/metrics``)."""
+    """One Prometheus sample per worker the ingestor knows (``/metrics``); ``load``: the
+    router's in-flight load per worker (``WorkerLoad``)."""
+    load = load or {}
     return [
         WorkerSample(
             name=name,
@@ -106,6 +116,9 @@ def worker_samples(
             duplicates=stats[name].duplicates if name in stats else 0,
             lag_s=(now - st.last_batch_ts) if st.last_batch_ts else None,
             blocks_by_tier=index.blocks_by_tier(name),
+            in_flight_requests=getattr(load.get(name), "active_requests", 0),
+            pending_prefill_tokens=getattr(load.get(name), "pending_prefill_tokens", 0),
+            active_tokens=getattr(load.get(name), "active_tokens", 0),
         )
         for name, st in statuses.items()
     ]

@@ -41,6 +41,7 @@ from tokenspeed_router.sim.traces import (
     trace_summary,
 )
 from tokenspeed_router.sim.workload import WorkloadConfig, generate_workload
+from tokenspeed_router.timing import PROFILES
 
 __all__ = ["add_arguments", "load_requests", "parse_router_options", "run"]
 
@@ -75,6 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--capacity-tokens", type=int, default=400_000, help="KV cache per worker (tokens)")
     c.add_argument("--block-size", type=int, default=16, help="cache page size (tokens)")
     c.add_argument("--eviction-policy", default="lru", help="lru, lfu, fifo, mru, filo, priority")
+    c.add_argument("--timing", choices=PROFILES, default="fifo",
+                   help="engine scheduler profile, the one engine-sim --timing runs: fifo = one "
+                        "prefill at a time (overhead + uncached / rate), decode without contention; "
+                        "chunked = vLLM-style steps with a token budget (default fifo)")
+    c.add_argument("--max-batched-tokens", type=int, default=2048,
+                   help="chunked profile: token budget per step (default 2048)")
+    c.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once per worker")
     c.add_argument("--prefill-rate", type=float, default=10_000.0, help="prefill tokens/s per worker")
     c.add_argument("--prefill-overhead-ms", type=float, default=20.0, help="fixed cost per prefill")
     c.add_argument("--decode-ms-per-token", type=float, default=20.0, help="time per output token")
@@ -158,7 +166,10 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterConfig:
             prefill_overhead_s=args.prefill_overhead_ms / 1000.0,
             decode_s_per_token=args.decode_ms_per_token / 1000.0,
             kv_transfer_tokens_per_s=args.kv_transfer_rate,
+            profile=args.timing,
+            max_batched_tokens=args.max_batched_tokens,
         ),
+        max_num_seqs=args.max_num_seqs,
         event_delay_s=args.event_delay_ms / 1000.0,
         event_loss_rate=args.event_loss,
         seed=args.seed,
@@ -278,6 +289,9 @@ def run(args: argparse.Namespace) -> int:
         "prefill_overhead_s": cluster.cost.prefill_overhead_s,
         "decode_s_per_token": cluster.cost.decode_s_per_token,
         "kv_transfer_tokens_per_s": cluster.cost.kv_transfer_tokens_per_s,
+        "timing": cluster.cost.profile,
+        "max_batched_tokens": cluster.cost.max_batched_tokens,
+        "max_num_seqs": cluster.max_num_seqs,
         "event_delay_s": cluster.event_delay_s,
         "event_loss_rate": cluster.event_loss_rate,
         "seed": cluster.seed,
