@@ -65,7 +65,7 @@ from tokenspeed_router.hashing import block_hashes
 
 BLOCK = 16
 NUM_PAGES = 48  # small: the workload evicts
-STATE_OPTS = "lease_ttl_s=1.5&read_block_ms=50&backoff_max_s=0.2&snapshot_every_s=2"
+STATE_OPTS = "lease_ttl_s=1.5&read_block_ms=50&backoff_max_s=0.2&snapshot_every_s=2&ingest=stream"
 
 
 # --------------------------------------------------------------------------- workload and engines

@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "loadgen": ("tokenspeed_router.loadgen.cli_loadgen",
                 "replay a Mooncake trace against an OpenAI endpoint (TTFT, hit ratio, spread)"),
     "relay": ("tokenspeed_router.relay.cli_relay", "follow one engine's KV events, republish them with snapshots"),
+    "doctor": ("tokenspeed_router.doctor.cli_doctor",
+               "check that the engines and the router agree (events, block size, tokens, hashes, usage)"),
     "engine-sim": (
         "tokenspeed_router.engine_sim.cli_engine_sim",
         "a simulated vLLM engine: OpenAI API, real prefix cache, real KV events",
@@ -109,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         module.add_arguments(subparsers.choices[command])
     args = parser.parse_args(argv)
+    args.argv = argv  # the command line as given (serve --processes starts children with it)
     logging.basicConfig(
         level=int(args.log_level) if args.log_level.isdigit() else args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -130,14 +130,20 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def bind_socket(address: HostPort) -> socket.socket:
-    """Bind the listen socket ourselves so ``--http 127.0.0.1:0`` can report its port."""
+def bind_socket(address: HostPort, *, reuse_port: bool = False) -> socket.socket:
+    """Bind the listen socket ourselves so ``--http 127.0.0.1:0`` can report its port.
+
+    ``reuse_port``: SO_REUSEPORT, so several processes listen on one port and
+    the kernel spreads connections over them (``serve --processes N``).
+    """
     family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
     # proto must be IPPROTO_TCP explicitly: asyncio only sets TCP_NODELAY on accepted
     # sockets whose proto says TCP, and without it Nagle + delayed ACKs add 40 ms to
     # every response uvicorn writes in two parts (head, body).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((address.host, address.port))
     except OSError as err:

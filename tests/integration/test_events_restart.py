@@ -315,11 +315,12 @@ def test_connection_reset_finds_restart_hidden_by_in_order_seq(
     engine.send(2, engine.ring[2])
     col.until(lambda: col.batches[-1].epoch == 1 and col.batches[-1].seq == 2
               and not sub.statistics().replaying, each=engine.serve)
-    assert engine.requests[requests_before:] == [0]
+    # verified from the last seq delivered (1), then the new process's batches from 0
+    assert engine.requests[requests_before:] == [1, 0]
     after_old = col.items[2:]
     restart = after_old[0]
     assert isinstance(restart, PublisherRestarted)
-    assert (restart.last_seq, restart.new_seq, restart.epoch) == (1, 0, 1)
+    assert (restart.last_seq, restart.new_seq, restart.epoch) == (1, 1, 1)  # new_seq: first seen of it
     assert [(b.seq, b.batch) for b in after_old[1:] if isinstance(b, BatchReceived)] == [
         (seq, _batch(400 + seq)) for seq in range(3)
     ]
@@ -339,7 +340,7 @@ def test_connection_reset_to_the_same_process_changes_nothing(
     engine.send(2, encode_batch(_batch(2)))
     col.until(lambda: col.batches[-1].seq == 2 and not sub.statistics().replaying,
               each=engine.serve)
-    assert engine.requests[requests_before:] == [0]
+    assert engine.requests[requests_before:] == [1]  # from the last seq delivered
     assert all(isinstance(x, BatchReceived) and x.epoch == 0 for x in col.items)
     assert [b.seq for b in col.batches] == [0, 1, 2]
     assert sub.statistics().restarts == 0 and sub.statistics().resyncs == 0

@@ -8,6 +8,8 @@ cache (block count and the match answer for every prompt).
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import zmq
 from support import wait_until
@@ -22,7 +24,7 @@ from support.relay import (
     handshake,
     workload,
 )
-from support.server import DropProxy
+from support.server import BLOCK, DropProxy, removed, stored, tokens
 
 from tokenspeed_router.events import (
     AllBlocksCleared,
@@ -34,6 +36,7 @@ from tokenspeed_router.events import (
     decode_batch,
 )
 from tokenspeed_router.events.frames import END_SEQ, encode_seq
+from tokenspeed_router.events.publisher import ZmqEventPublisher
 
 
 def test_late_router_gets_complete_view_after_engine_ring_wrapped(ctx: Ctx) -> None:
@@ -247,3 +250,125 @@ def test_relay_loopback_only_defaults_are_validated() -> None:
         except ConfigError:
             continue
         raise AssertionError(f"accepted {bad}")
+
+
+def test_relay_without_topic_republishes_under_the_engines_topic(ctx: Ctx) -> None:
+    """An engine publishing under ``kv`` behind a relay started without ``--topic``:
+    a router whose worker spec says ``topic=kv`` gets the whole view (it scored 0)."""
+    engine = Engine(ctx, buffer_steps=64, topic="kv")
+    relay = RelayThread(ctx, engine, buffer_steps=64)
+    try:
+        handshake(engine, relay)
+        prompts = workload(seed=5, n=20)
+        engine.run(prompts)
+        relay.wait_engine_seq(engine.last_seq)
+        view = RouterView(ctx, relay.relay.endpoint, relay.relay.replay_endpoint, topic="kv")
+        view.wait_seq(relay.last_seq, each=lambda: None)
+        assert relay.relay._publisher is not None and relay.relay._publisher.topic == "kv"
+        assert_same_as_engine(view, engine, prompts)
+        more = workload(seed=6, n=10)
+        engine.run(more)
+        relay.wait_engine_seq(engine.last_seq)
+        view.wait_seq(relay.last_seq)
+        assert_same_as_engine(view, engine, prompts + more)
+        view.close()
+    finally:
+        relay.close()
+        engine.close()
+
+
+class _RawEngine:
+    """A bare publisher (hand-made events) in the shape RelayThread takes."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        self.publisher = ZmqEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, context=ctx, buffer_steps=1000)
+        self.last_seq = -1
+
+    def send(self, *events: Any) -> None:
+        self.last_seq = self.publisher.publish(KVEventBatch(1.0, list(events)))
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+def _raw_handshake(engine: _RawEngine, relay: RelayThread) -> None:
+    def seen() -> bool:
+        engine.send()
+        return relay.relay.statistics().batches_in > 0
+
+    wait_until(seen, 15, interval_s=0.02, what="the relay to receive the engine's first batch")
+    relay.wait_engine_seq(engine.last_seq)
+
+
+def test_network_blip_on_a_wrapped_relay_is_not_a_restart(ctx: Ctx) -> None:
+    """A router following a relay whose ring wrapped loses its link while nothing is
+    published: no restart, no resync, nothing rebuilt (it used to verify from seq 0,
+    get the snapshot numbered with seqs it had applied with other bytes, and count a restart)."""
+    engine = Engine(ctx, buffer_steps=4)
+    relay = RelayThread(ctx, engine, buffer_steps=8)
+    try:
+        handshake(engine, relay)
+        view = RouterView(ctx, relay.relay.endpoint, relay.relay.replay_endpoint)
+
+        def follows_live() -> bool:  # a live batch reached it: its SUB is connected
+            engine.probe()
+            relay.wait_engine_seq(engine.last_seq)
+            view.pump(0.05)
+            stats = view.sub.statistics()
+            return view.sub.last_seq == relay.last_seq and stats.delivered > stats.replayed
+
+        wait_until(follows_live, 15, interval_s=0.0, what="the router to follow the relay live")
+        # It applies the workload's batches as they are relayed; then the relay's ring wraps.
+        prompts = workload(seed=8, n=40)
+        engine.run(prompts)
+        relay.wait_engine_seq(engine.last_seq)
+        view.wait_seq(relay.last_seq)
+        assert relay.last_seq > 20  # the relay's ring (8) has wrapped
+        seen = len(view.items)
+        view.sub.connection_reset()  # what the ingestion loop calls when the link comes back
+        wait_until(lambda: (view.pump(), not view.sub.statistics().replaying and
+                            not view.sub.needs_processing())[1], 15, what="the verify replay")
+        assert view.sub.statistics().replay_requests >= 2  # the verify did run
+        after = view.items[seen:]
+        assert not any(isinstance(x, (PublisherRestarted, ResyncNeeded)) for x in after), after
+        assert view.sub.statistics().restarts == 0
+        assert_same_as_engine(view, engine, prompts)
+        view.close()
+    finally:
+        relay.close()
+        engine.close()
+
+
+def test_snapshot_keeps_blocks_held_below_a_removed_block(ctx: Ctx) -> None:
+    """The engine evicts block 2 of a 6-block chain, keeps 3..5, later stores 2 again:
+    a router that joins through the snapshot scores 6 like a direct one (it scored 3)."""
+    engine = _RawEngine(ctx)
+    relay = RelayThread(ctx, engine, buffer_steps=4)  # type: ignore[arg-type]
+    try:
+        _raw_handshake(engine, relay)
+        direct = RouterView(ctx, engine.publisher.endpoint, engine.publisher.replay_endpoint, worker="w")
+
+        def direct_sees() -> bool:
+            engine.send()
+            direct.pump(0.02)
+            return direct.sub.last_seq == engine.last_seq
+
+        wait_until(direct_sees, 15, interval_s=0.0, what="the direct router to follow")
+        chain = tokens(7, 6)
+        engine.send(stored(chain))
+        engine.send(removed(chain, 2, 1))
+        for _ in range(6):  # push both out of the relay's ring: the hole is in its snapshot state
+            engine.send()
+        engine.send(stored(chain[2 * BLOCK : 3 * BLOCK], parent_tokens=chain[: 2 * BLOCK]))
+        relay.wait_engine_seq(engine.last_seq)
+        direct.wait_seq(engine.last_seq)
+        assert direct.score(chain) == 6
+        late = RouterView(ctx, relay.relay.endpoint, relay.relay.replay_endpoint)
+        late.wait_seq(relay.last_seq)
+        assert relay.relay.statistics().ring.snapshots_served >= 1
+        assert late.score(chain) == 6 and late.blocks() == direct.blocks() == 6
+        direct.close()
+        late.close()
+    finally:
+        relay.close()
+        engine.close()

@@ -120,11 +120,13 @@ def _wait_synced(replicas: list[Replica]) -> None:
     wait_until(synced, 10, what="replicas to see each other's load")
 
 
-def test_two_replicas_decide_as_one_router(redis_url: str, made: list[Replica]) -> None:
+@pytest.mark.parametrize("transport", ["pubsub", "streams"])
+def test_two_replicas_decide_as_one_router(redis_url: str, made: list[Replica], transport: str) -> None:
     prompts = _prompts(24)
     one = Replica(None, "single")
     reference = _drive([one], prompts, wait=False)
-    made.extend([Replica(redis_url, "ra"), Replica(redis_url, "rb")])
+    made.extend([Replica(redis_url, "ra", flight_transport=transport),
+                 Replica(redis_url, "rb", flight_transport=transport)])
     shared = _drive(made, prompts, wait=True)
     assert shared == reference
     # the same split without sharing piles up: each replica thinks the others' workers are idle

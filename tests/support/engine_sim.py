@@ -53,7 +53,8 @@ class EngineSim:
                "--port", "0", "--events", "tcp://127.0.0.1:0", *self.args]
         if self.replay:
             cmd += ["--replay", "tcp://127.0.0.1:0"]
-        self.stderr_path = self.workdir / f"engine-sim-{len(list(self.workdir.glob('engine-sim-*')))}.stderr"
+        # a unique name even when several engines start at once (threads)
+        self.stderr_path = self.workdir / f"engine-sim-{os.getpid()}-{id(self):x}.stderr"
         self._stderr = open(self.stderr_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=self._stderr,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})

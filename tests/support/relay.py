@@ -37,10 +37,10 @@ class Engine:
     """A PrefixCache publishing through a real ZmqEventPublisher (the engine's truth)."""
 
     def __init__(self, ctx: Ctx, *, buffer_steps: int, pages: int = 24, endpoint: str = LOOPBACK,
-                 replay_endpoint: str = LOOPBACK) -> None:
+                 replay_endpoint: str = LOOPBACK, topic: str = "") -> None:
         self.cache = PrefixCache.with_capacity(pages, page_size=PAGE, medium="GPU")
         self.publisher = ZmqEventPublisher(endpoint, replay_endpoint=replay_endpoint, context=ctx,
-                                           buffer_steps=buffer_steps)
+                                           buffer_steps=buffer_steps, topic=topic)
         self.cache.attach_publisher(self.publisher)
         self._probe = iter(range(100_000, 200_000))
 
@@ -100,13 +100,13 @@ class RouterView:
     """What a router builds from one stream: subscriber -> IndexIngestor -> KvIndex."""
 
     def __init__(self, ctx: Ctx, endpoint: str, replay: str | None, *, curve: CurveClientKeys | None = None,
-                 worker: str = "w") -> None:
+                 worker: str = "w", topic: str = "") -> None:
         self.worker = worker
         self.index = KvIndex()
         self.ingestor = IndexIngestor(self.index)
         self.items: list[SubscriberItem] = []
         self.sub = EventSubscriber(worker, endpoint, replay_endpoint=replay, context=ctx, curve=curve,
-                                   replay_timeout_s=5.0)
+                                   replay_timeout_s=5.0, topic=topic)
 
     def pump(self, timeout_s: float = 0.01) -> None:
         for item in self.sub.poll(timeout_s):

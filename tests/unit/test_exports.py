@@ -34,6 +34,7 @@ EXPORTS: dict[str, list[str]] = {
         "TreeNode",
         "make_eviction_strategy",
     ],
+    "tokenspeed_router.doctor": ["CHECK_NAMES", "Check", "DoctorReport", "EngineReport"],
     "tokenspeed_router.engine_sim": [
         "Engine",
         "EngineConfig",

@@ -31,13 +31,16 @@ class _Blk:
     tiers: set[str] = field(default_factory=set)
 
 
-class _EngineBelief:
+class _EngineModel:
     """Valid random streams: chains under known parents, tier copies, leaf evictions, clears."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, *, middle_evictions: bool = False) -> None:
         self.rng = random.Random(seed)
         self.blocks: dict[int, _Blk] = {}
         self.next_id = 1
+        #: evict blocks that still have children too (engines do: the children stay held)
+        self.middle_evictions = middle_evictions
+        self.gone: dict[int, _Blk] = {}  # removed blocks, for chains() below them
 
     def _children(self, h: int) -> bool:
         return any(b.parent == h for b in self.blocks.values())
@@ -61,8 +64,20 @@ class _EngineBelief:
             return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
                                block_size=BS, medium=medium)
         if roll < 0.65:
+            if self.gone and rng.random() < 0.3:  # an evicted block stored again
+                h = rng.choice(list(self.gone))
+                b = self.gone[h]
+                if b.parent is None or b.parent in blocks:
+                    del self.gone[h]
+                    medium = rng.choice(MEDIA)
+                    b.tiers = {medium}
+                    blocks[h] = b
+                    return BlockStored(block_hashes=[h], parent_block_hash=b.parent, token_ids=b.tokens,
+                                       block_size=BS, medium=medium)
             h = rng.choice(list(blocks))
             b = blocks[h]
+            if b.parent is not None and b.parent not in blocks:
+                return self.step()  # a copy names its parent, which must be held
             medium = rng.choice(MEDIA)
             b.tiers.add(medium)
             return BlockStored(block_hashes=[h], parent_block_hash=b.parent, token_ids=b.tokens,
@@ -74,9 +89,9 @@ class _EngineBelief:
                 medium = rng.choice(sorted(b.tiers))
                 b.tiers.discard(medium)
                 return BlockRemoved(block_hashes=[h], medium=medium)
-            if self._children(h):
+            if self._children(h) and not self.middle_evictions:
                 return self.step()
-            del blocks[h]
+            self.gone[h] = blocks.pop(h)
             return BlockRemoved(block_hashes=[h], medium=rng.choice([None, *b.tiers]))
         blocks.clear()
         return AllBlocksCleared()
@@ -87,15 +102,17 @@ class _EngineBelief:
             tokens: list[int] = []
             cur: int | None = h
             while cur is not None:
-                tokens = self.blocks[cur].tokens + tokens
-                cur = self.blocks[cur].parent
+                b = self.blocks.get(cur) or self.gone[cur]
+                tokens = b.tokens + tokens
+                cur = b.parent
             out.append(tokens + [999] * BS)
         return out
 
 
+@pytest.mark.parametrize("middle", [False, True], ids=["leaf-evictions", "middle-evictions"])
 @pytest.mark.parametrize("seed", range(6))
-def test_blockset_dump_rebuilds_what_the_stream_built(seed: int) -> None:
-    model = _EngineBelief(seed)
+def test_blockset_dump_rebuilds_what_the_stream_built(seed: int, middle: bool) -> None:
+    model = _EngineModel(seed, middle_evictions=middle)
     streamed, blockset = KvIndex(), BlockSet()
     for _ in range(400):
         batch = KVEventBatch(0.0, [model.step() for _ in range(model.rng.randint(1, 3))])
@@ -189,7 +206,7 @@ def test_router_at_any_seq_ends_exact_after_asking_the_ring(seed: int) -> None:
     """Whatever a router applied before (seqs [0, s)), applying the ring's answer for s
     -- a snapshot when s is older than the ring, a hole meaning "clear first" --
     leaves it equal to a router that applied the whole stream."""
-    model = _EngineBelief(seed)
+    model = _EngineModel(seed)
     rng = random.Random(seed)
     capacity = rng.randint(1, 20)
     ring = SnapshotRing(capacity, blocks_per_batch=rng.randint(1, 8))

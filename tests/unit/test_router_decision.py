@@ -176,7 +176,8 @@ def test_explanation_costs_are_worker_cost_and_the_choice_is_their_argmin(cost_m
     assert [c.worker for c in chosen] == [d.worker]
     assert chosen[0].cost == min(c.cost for c in ex.candidates if c.cost is not None)
     assert chosen[0].reason.startswith("lowest cost")
-    assert all(c.reason == "higher cost" for c in ex.candidates if c.cost != chosen[0].cost)
+    assert all(c.reason.startswith(f"higher cost: {c.cost:.6g} vs {chosen[0].cost:.6g} on {d.worker} ")
+               for c in ex.candidates if c.cost != chosen[0].cost)
     w1, w2 = ex.candidate("w1"), ex.candidate("w2")
     assert w1.matched_tokens_by_tier == {"gpu": 0, "cpu": 60 * BS, "storage": 0}
     assert w2.matched_tokens_by_tier == {"gpu": 30 * BS, "cpu": 0, "storage": 20 * BS}
@@ -210,7 +211,8 @@ def test_ties_and_cold_workers_are_explained() -> None:
     assert ex is not None and ex.worker == "w0"
     cold = ex.candidate("w1")
     assert cold.cold and cold.matched_tokens == 0 and cold.uncached_tokens == len(PROMPT)
-    assert cold.reason == "higher cost; cold: its prefix is not trusted, routed on load"
+    assert cold.reason.startswith("higher cost: ") and cold.reason.endswith(
+        " on w0 (uncached 1024 vs 384 tokens, queued prefill 0 vs 0); cold: its prefix is not trusted, routed on load")
 
 
 def test_other_replicas_load_is_part_of_the_explained_terms() -> None:

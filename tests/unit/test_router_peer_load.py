@@ -7,8 +7,9 @@ the publisher that its own load changed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+from tokenspeed_router.router.peer_work import PeerPrediction, PeerPredictions
 from tokenspeed_router.router.router import Router, RouterConfig
 from tokenspeed_router.router.scoring import WorkerLoad
 
@@ -82,3 +83,53 @@ def test_every_local_load_change_is_announced() -> None:
     router.set_peer_load(None)
     router.route(list(range(64)))
     assert peers.changes == 5 and router.peer_load is None
+
+
+class LinkedReplicas:
+    """Route predictions exchanged in memory between routers (what state/load.py carries)."""
+
+    def __init__(self) -> None:
+        self.inboxes: list[list[PeerPrediction]] = []
+
+    def member(self) -> LinkedPeer:
+        self.inboxes.append([])
+        return LinkedPeer(self, len(self.inboxes) - 1)
+
+
+class LinkedPeer:
+    def __init__(self, group: LinkedReplicas, me: int) -> None:
+        self.group = group
+        self.me = me
+
+    def peers(self) -> Mapping[str, WorkerLoad]:
+        return {}
+
+    def changed(self) -> None:
+        pass
+
+    def routed(self, workers: tuple[str, ...], hashes: Sequence[int]) -> None:
+        for i, inbox in enumerate(self.group.inboxes):
+            if i != self.me:
+                inbox.append(PeerPrediction(workers, tuple(hashes)))
+
+    def take_predictions(self) -> list[PeerPrediction]:
+        out = self.group.inboxes[self.me]
+        self.group.inboxes[self.me] = []
+        return out
+
+
+def test_peer_route_predictions_are_remembered_as_own() -> None:
+    """Replica A sends prompt P to w1; replica B, which has no load, sends the repeat
+    of P to w1 too (its own view alone would pick w0, first by name)."""
+    prompt = list(range(1000))
+    group = LinkedReplicas()
+    a_peer, b_peer = group.member(), group.member()
+    assert isinstance(a_peer, PeerPredictions)
+    a, b = _router(a_peer), _router(b_peer)  # type: ignore[arg-type]
+    busy = a.route(list(range(5000, 6000))).worker  # load at A only (the tie-break's pick)
+    target = a.route(prompt).worker
+    assert target != busy
+    assert _router(None).route(prompt).credits == {}  # B alone would not know
+    decision = b.route(prompt)
+    assert decision.worker == target and decision.credits[target].tokens == 960  # 15 full 64-token blocks
+    assert group.inboxes[0] and group.inboxes[0][0].workers == (target,)  # B's route went to A

@@ -6,7 +6,8 @@ Routes (Starlette): ``POST /v1/completions``, ``POST /v1/chat/completions``
 usage), ``POST /tokenize``, ``POST /v1/completions/render``,
 ``POST /v1/chat/completions/render``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``. Shapes follow vLLM's: ``usage.prompt_tokens_details.
-cached_tokens`` is the engine's real prefix-cache hit; ``system_fingerprint``
+cached_tokens`` is the engine's real prefix-cache hit; ``usage.engine_timing``
+(not vLLM's) is the engine's own TTFT, wall and modelled; ``system_fingerprint``
 and the ``x-engine-id`` header name the engine that served the request, so a
 load generator can see the spread behind any router. Errors use OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``.
@@ -18,6 +19,7 @@ With several DP ranks, a request goes to the rank named by the
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -38,6 +40,8 @@ from tokenspeed_router.engine_sim.tokenizer import ChatTemplateError, SimTokeniz
 __all__ = ["ApiError", "EngineSimApp", "create_app"]
 
 DEFAULT_MAX_TOKENS = 16
+
+logger = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -65,8 +69,12 @@ class EngineSimApp:
         model: str,
         kv_host: str,
         kv_port: int,
+        report_cached_tokens: bool = True,
     ) -> None:
         self.engines = list(engines)
+        #: False (``--fault-no-usage-details``): usage without ``prompt_tokens_details``, as vLLM
+        #: answers without ``--enable-prompt-tokens-details``
+        self.report_cached_tokens = report_cached_tokens
         self.tokenizer = tokenizer
         self.model = model
         self.name = engines[0].config.name
@@ -104,11 +112,13 @@ class EngineSimApp:
             raise ApiError(400, "engine-sim serves one prompt per request; got a batch")
         raise ApiError(400, "prompt must be a string, a list of token ids, or a one-element list of those")
 
-    def chat_tokens(self, body: Mapping[str, Any], *, default_generation_prompt: bool = True) -> list[int]:
+    def chat_tokens(
+        self, body: Mapping[str, Any], *, default_generation_prompt: bool = True, shown: bool = False
+    ) -> list[int]:
         messages = body.get("messages")
         add = body.get("add_generation_prompt", default_generation_prompt)
         try:
-            return self.tokenizer.encode_chat(messages or [], add_generation_prompt=bool(add))
+            return self.tokenizer.encode_chat(messages or [], add_generation_prompt=bool(add), shown=shown)
         except ChatTemplateError as err:
             raise ApiError(400, str(err)) from err
 
@@ -172,8 +182,12 @@ class EngineSimApp:
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         except ApiError as err:
             return err.response(self.headers)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        traceparent = request.headers.get("traceparent")
+        if traceparent is not None:  # what a tracing engine would parent its spans on
+            logger.debug("engine-sim %s: request %s traceparent=%s", self.name, request_id, traceparent)
         sim = SimRequest(
-            request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            request_id=request_id,
             prompt=tokens,
             max_tokens=1 if prefill_only else max_tokens,
             prefill_only=prefill_only,
@@ -241,12 +255,16 @@ class EngineSimApp:
     # ------------------------------------------------------------------ shapes
 
     def _usage(self, sim: SimRequest) -> dict[str, Any]:
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": len(sim.prompt),
             "completion_tokens": sim.num_output,
             "total_tokens": len(sim.prompt) + sim.num_output,
             "prompt_tokens_details": {"cached_tokens": sim.cached_tokens},
+            "engine_timing": _engine_timing(sim),
         }
+        if not self.report_cached_tokens:
+            usage["prompt_tokens_details"] = None
+        return usage
 
     def _kv_params(self, sim: SimRequest) -> dict[str, Any]:
         return {
@@ -304,7 +322,7 @@ class EngineSimApp:
         try:
             body = await self.body(request)
             if "messages" in body:
-                tokens = self.chat_tokens(body)
+                tokens = self.chat_tokens(body, shown=True)
             elif "prompt" in body and isinstance(body["prompt"], str):
                 tokens = self.tokenizer.encode(body["prompt"])
             else:
@@ -351,7 +369,7 @@ class EngineSimApp:
         """vLLM's ``/v1/chat/completions/render``: one token-in request."""
         try:
             body = await self.body(request)
-            rendered = self._render_one(body, self.chat_tokens(body), "chatcmpl")
+            rendered = self._render_one(body, self.chat_tokens(body, shown=True), "chatcmpl")
         except ApiError as err:
             return err.response(self.headers)
         return JSONResponse(rendered, headers=self.headers)
@@ -435,6 +453,19 @@ class _EngineCollector(Collector):
             for name, doc, counter, value in rows:
                 fam(name, doc, counter).add_metric(lv, float(value))
         return list(families.values())
+
+
+def _engine_timing(sim: SimRequest) -> dict[str, Any]:
+    """The engine's own share of the request's latency (``usage.engine_timing``).
+
+    ``ttft_s``: wall seconds from the engine getting the request to its first
+    token (a client's TTFT minus this is what everything in between added:
+    the router, the network). ``modelled_*``: the same in the timing model's
+    seconds (before ``--time-scale``), what ``simulate`` computes.
+    """
+    queued = None if sim.admitted_s is None else sim.admitted_s - sim.arrival_s
+    modelled = None if sim.first_token_s is None else sim.first_token_s - sim.arrival_s
+    return {"ttft_s": sim.engine_ttft_s, "modelled_ttft_s": modelled, "modelled_queue_s": queued}
 
 
 def _sse(obj: Any) -> bytes:

@@ -3,7 +3,7 @@
 Serves vLLM's OpenAI API on ``--host:--port`` (see :mod:`.api`), decides
 prefix-cache hits and evictions with the project's real ``PrefixCache`` and
 publishes its KV events on ``--events`` (``--replay`` for the replay socket),
-timed by :mod:`.timing`. Port 0 lets the OS choose (HTTP and events); the
+timed by the shared model (:mod:`tokenspeed_router.timing`, ``--timing``). Port 0 lets the OS choose (HTTP and events); the
 first stdout line is JSON with the resolved ``url``, ``events`` and
 ``replay`` endpoints (lists of one per DP rank for events and replay), so
 tests and scripts never guess ports. SIGTERM/SIGINT stop it cleanly.
@@ -24,10 +24,10 @@ from tokenspeed_router.endpoints import HostPort, bind_socket
 from tokenspeed_router.engine_sim.api import EngineSimApp, create_app
 from tokenspeed_router.engine_sim.engine import Engine, EngineConfig
 from tokenspeed_router.engine_sim.publishing import EventOutlet, OutletConfig
-from tokenspeed_router.engine_sim.timing import TimingModel
 from tokenspeed_router.engine_sim.tokenizer import SimTokenizer
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.process import shutdown_signals
+from tokenspeed_router.timing import PROFILES, TimingModel
 
 __all__ = ["add_arguments", "run"]
 
@@ -43,7 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--role", choices=["both", "prefill", "decode"], default="both", help="P/D role (default both)")
     a("--block-size", type=int, default=16, help="KV block (page) size in tokens (default 16)")
     a("--capacity-tokens", type=int, default=262_144, help="prefix cache size in tokens (default 262144)")
+    a("--timing", choices=PROFILES, default="chunked",
+      help="scheduler profile (the one simulate --timing uses too): fifo = one prefill at a time, "
+           "overhead + uncached tokens / rate, decode without contention; chunked = vLLM-style "
+           "steps with a token budget (default chunked)")
     a("--prefill-tokens-per-s", type=float, default=20_000.0, help="prefill throughput (default 20000)")
+    a("--prefill-overhead-ms", type=float, default=None,
+      help="fixed cost per prefill (fifo) or per step that prefills (chunked); "
+           "default 20 ms for fifo, 0 for chunked")
     a("--decode-s-per-token", type=float, default=0.02,
       help="decode step time with one running sequence (default 0.02 s)")
     a("--decode-batch-cost", type=float, default=0.02,
@@ -67,6 +74,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="publish events as if the block size were N (a misconfigured engine)")
     a("--fault-tokenizer-skew", action="store_true",
       help="/tokenize and /render answers differ from the tokens cached (an extra leading token)")
+    # Misconfigurations `tokenspeed-router doctor` must name (docs/operations.md lists them):
+    a("--fault-chat-template", action="store_true",
+      help="/tokenize renders chat messages with another template than chat requests are cached under")
+    a("--fault-hash-seed", type=int, default=None, metavar="N",
+      help="publish block ids hashed with seed N while parent links keep the cache's ids "
+      "(processes hashing with different seeds, vLLM without one PYTHONHASHSEED)")
+    a("--fault-no-events", action="store_true",
+      help="publish no KV events at all (an engine started without --kv-events-config)")
+    a("--fault-no-usage-details", action="store_true",
+      help="answer usage without prompt_tokens_details.cached_tokens "
+      "(vLLM without --enable-prompt-tokens-details)")
+    a("--fault-event-delay", type=float, default=0.0, metavar="S",
+      help="publish each event batch S seconds after the step that made it (a backed-up publisher)")
+    a("--fault-dp-rank", type=int, default=None, metavar="R",
+      help="batches claim DP rank R instead of their own (rank and port disagree)")
+    a("--fault-lora-id", type=int, default=None, metavar="ID",
+      help="tag every BlockStored with this LoRA id although no request names one")
 
 
 def build(args: argparse.Namespace) -> tuple[EngineSimApp, list[Engine], list[EventOutlet]]:
@@ -77,8 +101,14 @@ def build(args: argparse.Namespace) -> tuple[EngineSimApp, list[Engine], list[Ev
         raise ConfigError(f"--dp-ranks must be >= 1, got {args.dp_ranks}")
     if args.fault_publish_block_size is not None and args.fault_publish_block_size <= 0:
         raise ConfigError("--fault-publish-block-size must be positive")
+    if not 0.0 <= args.fault_event_delay <= 3600.0:
+        raise ConfigError(f"--fault-event-delay must be in [0, 3600] seconds, got {args.fault_event_delay}")
+    if args.fault_dp_rank is not None and args.fault_dp_rank < 0:
+        raise ConfigError("--fault-dp-rank must be >= 0")
     timing = TimingModel(
+        profile=args.timing,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
+        prefill_overhead_s=None if args.prefill_overhead_ms is None else args.prefill_overhead_ms / 1000.0,
         decode_s_per_token=args.decode_s_per_token,
         decode_batch_cost=args.decode_batch_cost,
         max_batched_tokens=args.max_batched_tokens,
@@ -94,9 +124,13 @@ def build(args: argparse.Namespace) -> tuple[EngineSimApp, list[Engine], list[Ev
                 replay_endpoint=args.replay,
                 dp_rank=rank,
                 wire_format=args.wire_format,
-                drop_ratio=args.fault_drop_events,
+                drop_ratio=1.0 if args.fault_no_events else args.fault_drop_events,
                 publish_block_size=args.fault_publish_block_size,
                 seed=args.seed + rank,
+                hash_seed=args.fault_hash_seed,
+                dp_rank_override=args.fault_dp_rank,
+                lora_id=args.fault_lora_id,
+                delay_s=args.fault_event_delay,
             ))
             outlets.append(outlet)
             config = EngineConfig(
@@ -116,8 +150,9 @@ def build(args: argparse.Namespace) -> tuple[EngineSimApp, list[Engine], list[Ev
             outlet.close()
         raise
     app = EngineSimApp(
-        engines, SimTokenizer(skew=args.fault_tokenizer_skew), model=args.model,
-        kv_host=args.host, kv_port=args.port,
+        engines, SimTokenizer(skew=args.fault_tokenizer_skew, chat_template_skew=args.fault_chat_template),
+        model=args.model, kv_host=args.host, kv_port=args.port,
+        report_cached_tokens=not args.fault_no_usage_details,
     )
     return app, engines, outlets
 

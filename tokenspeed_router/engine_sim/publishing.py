@@ -13,6 +13,18 @@
   engine. The real cache (the one that decides hits) publishes nothing; a
   shadow cache of the same capacity with that block size admits every cached
   prompt and publishes its events instead.
+* ``hash_seed`` (``--fault-hash-seed``): the published block ids are
+  re-hashed with that seed while parent links keep the cache's own ids, as
+  an engine whose processes hash with different seeds does (vLLM without one
+  ``PYTHONHASHSEED`` for every process): a continuation's parent is an id the
+  engine never published.
+* ``dp_rank_override`` (``--fault-dp-rank``): batches claim that DP rank
+  instead of their own (an engine whose ``--data-parallel-rank`` disagrees
+  with the port it publishes on).
+* ``lora_id`` (``--fault-lora-id``): every ``BlockStored`` is tagged with
+  that LoRA id although no request named one (a LoRA naming mismatch).
+* ``delay_s`` (``--fault-event-delay``): batches leave that many seconds
+  after the step that made them (a slow or backed-up publisher).
 * :meth:`EventOutlet.restart` (``--fault-restart-after-requests``): close the
   publisher and bind a fresh one on the same endpoints, its seq back at 0, as
   a restarted engine does; the caller swaps in a fresh cache.
@@ -22,13 +34,23 @@ Single owner: the engine loop (one asyncio task) calls everything here.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import random
 
+import msgspec
+import xxhash
+
 from tokenspeed_router.cache import KvEventSink, PrefixCache
 from tokenspeed_router.events.publisher import ZmqEventPublisher
-from tokenspeed_router.events.schema import KVEventBatch
+from tokenspeed_router.events.schema import (
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    KVEventBatch,
+)
 
 __all__ = ["EventOutlet", "OutletConfig"]
 
@@ -47,10 +69,50 @@ class OutletConfig:
     drop_ratio: float = 0.0
     publish_block_size: int | None = None
     seed: int = 0
+    hash_seed: int | None = None
+    dp_rank_override: int | None = None
+    lora_id: int | None = None
+    delay_s: float = 0.0
+
+
+def _seeded(block_hash: BlockHash, seed: int) -> BlockHash:
+    """``block_hash`` as a differently seeded hasher would have named it."""
+    if isinstance(block_hash, int):
+        return xxhash.xxh3_64_intdigest(block_hash.to_bytes(8, "little", signed=block_hash < 0), seed)
+    return xxhash.xxh3_64_intdigest(bytes(block_hash), seed)
+
+
+def _misconfigured(batch: KVEventBatch, config: OutletConfig) -> KVEventBatch:
+    """The batch as the misconfigured engine of ``config`` publishes it (the fault knobs)."""
+    seed, lora = config.hash_seed, config.lora_id
+    if seed is None and lora is None and config.dp_rank_override is None:
+        return batch
+    events: list[Event] = []
+    for ev in batch.events:
+        if isinstance(ev, BlockStored):
+            changes: dict[str, object] = {}
+            if seed is not None:
+                changes["block_hashes"] = [_seeded(h, seed) for h in ev.block_hashes]
+            if lora is not None:
+                changes["lora_id"] = lora
+            ev = msgspec.structs.replace(ev, **changes)
+        elif isinstance(ev, BlockRemoved) and seed is not None:
+            ev = msgspec.structs.replace(ev, block_hashes=[_seeded(h, seed) for h in ev.block_hashes])
+        events.append(ev)
+    rank = config.dp_rank_override if config.dp_rank_override is not None else batch.data_parallel_rank
+    return KVEventBatch(ts=batch.ts, events=events, data_parallel_rank=rank)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # set-up, before the engine loop runs: nothing to delay yet
+        return None
 
 
 class _DroppingPublisher:
-    """Forwards batches to the live publisher, dropping ``ratio`` of them unnumbered."""
+    """Forwards batches to the live publisher: drops ``ratio`` of them unnumbered, applies the
+    misconfiguration knobs, and holds each for ``delay_s`` when asked."""
 
     def __init__(self, outlet: EventOutlet, ratio: float, rng: random.Random) -> None:
         self._outlet = outlet
@@ -63,7 +125,20 @@ class _DroppingPublisher:
         if self._ratio > 0 and self._rng.random() < self._ratio:
             self.num_dropped += 1
             return publisher.statistics().next_seq - 1
+        batch = _misconfigured(batch, self._outlet.config)
+        delay = self._outlet.config.delay_s
+        loop = _running_loop()
+        if delay > 0 and loop is not None:
+            # the engine loop owns the publisher: the late send runs on that same loop
+            loop.call_later(delay, self._late, batch)
+            return publisher.statistics().next_seq - 1
         return publisher.publish(batch)
+
+    def _late(self, batch: KVEventBatch) -> None:
+        try:
+            self._outlet.publisher.publish(batch)
+        except Exception:  # closed while the batch waited: the engine is stopping
+            logger.debug("engine-sim: delayed batch not published (publisher closed)", exc_info=True)
 
 
 class EventOutlet:

@@ -21,6 +21,12 @@ is then tokenized as above. Content may be a string or a list of parts
 answers start with an extra ``<s>`` token that the engine never caches, the
 way a BOS token or chat template differing between router and engine shifts
 every block: a router that trusts ``/tokenize`` then predicts the wrong blocks.
+
+``chat_template_skew=True`` (``--fault-chat-template``) makes chat messages
+that ``/tokenize`` and ``/render`` see render with another template
+(``[ROLE]: CONTENT``, no end markers) than the one chat requests are cached
+under, as an engine serving ``--chat-template`` while the router's tokenizer
+applies the model's default one: text prompts agree, chat prompts do not.
 """
 
 from __future__ import annotations
@@ -45,8 +51,9 @@ class ChatTemplateError(ValueError):
 class SimTokenizer:
     """Word-level tokenizer plus the fixed chat template (see the module docstring)."""
 
-    def __init__(self, *, skew: bool = False) -> None:
+    def __init__(self, *, skew: bool = False, chat_template_skew: bool = False) -> None:
         self.skew = skew
+        self.chat_template_skew = chat_template_skew
         self._cache: dict[str, int] = {}
 
     def word_id(self, word: str) -> int:
@@ -65,8 +72,13 @@ class SimTokenizer:
         """The token ids the engine computes and caches for ``text``."""
         return [self.word_id(w) for w in text.split()]
 
-    def render_chat(self, messages: Sequence[Any], *, add_generation_prompt: bool = True) -> str:
-        """Apply the fixed chat template; raises :class:`ChatTemplateError` on malformed messages."""
+    def render_chat(
+        self, messages: Sequence[Any], *, add_generation_prompt: bool = True, shown: bool = False
+    ) -> str:
+        """Apply the fixed chat template; raises :class:`ChatTemplateError` on malformed messages.
+
+        ``shown``: the rendering ``/tokenize`` reports (another template under ``chat_template_skew``).
+        """
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ChatTemplateError("messages must be a non-empty list")
         parts: list[str] = []
@@ -76,14 +88,18 @@ class SimTokenizer:
             role = message.get("role")
             if not isinstance(role, str) or not role:
                 raise ChatTemplateError(f"messages[{i}].role must be a non-empty string")
-            parts.append(f"<|{role}|> {_content_text(message.get('content'), i)} <|end|>")
+            text = _content_text(message.get("content"), i)
+            parts.append(f"[{role}]: {text}" if shown and self.chat_template_skew
+                         else f"<|{role}|> {text} <|end|>")
         if add_generation_prompt:
-            parts.append("<|assistant|>")
+            parts.append("[assistant]:" if shown and self.chat_template_skew else "<|assistant|>")
         return "\n".join(parts)
 
-    def encode_chat(self, messages: Sequence[Any], *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat (what a chat request caches)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt))
+    def encode_chat(
+        self, messages: Sequence[Any], *, add_generation_prompt: bool = True, shown: bool = False
+    ) -> list[int]:
+        """Token ids of the rendered chat (what a chat request caches; ``shown``: what /tokenize says)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, shown=shown))
 
     def tokenize(self, tokens: list[int]) -> list[int]:
         """What ``/tokenize`` and ``/render`` report for ``tokens`` (differs only under ``skew``)."""

@@ -218,6 +218,14 @@ class ZmqEventPublisher:
     def topic(self) -> str:
         return self._topic.decode()
 
+    def set_topic(self, topic: str) -> None:
+        """Publish (and answer replays) under ``topic`` from now on.
+
+        For a relay started without ``--topic``: it republishes under
+        whatever topic its engine's messages carry, learnt from the first one.
+        """
+        self._topic = topic.encode()
+
     @property
     def dp_rank(self) -> int:
         return self._dp_rank
@@ -440,7 +448,6 @@ class ZmqEventPublisher:
         poller.register(wake, zmq.POLLIN)
         if router is not None:
             poller.register(router, zmq.POLLIN)
-        topic = self._topic
         limiter = RateLimitedLog(logger)
         while True:
             with self._cond:
@@ -454,6 +461,7 @@ class ZmqEventPublisher:
                 else:
                     self._idle = True
             if items:
+                topic = self._topic  # read per drain: set_topic may change it
                 for seq, payload in items:
                     pub.send_multipart((topic, encode_seq(seq), payload))
                 with self._cond:

@@ -20,14 +20,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.routing import Route
 
 from tokenspeed_router.asgi import Receive, Scope, Send, read_body, send_response
 from tokenspeed_router.auth import check_bearer
-from tokenspeed_router.errors import RouterApiError
+from tokenspeed_router.errors import RouterApiError, TokenspeedError
 from tokenspeed_router.gateway.config import GatewayConfig
+from tokenspeed_router.gateway.explain import EXPLAIN_HEADER, explain_requested
 from tokenspeed_router.gateway.openai import (
     OpenAIError,
     ParsedRequest,
@@ -35,7 +37,8 @@ from tokenspeed_router.gateway.openai import (
     parse_completion,
 )
 from tokenspeed_router.gateway.proxy import Proxy
-from tokenspeed_router.gateway.tokenize import load_tokenizer
+from tokenspeed_router.gateway.tokenize import TokenizeError, load_tokenizer
+from tokenspeed_router.gateway.tracing import TRACE_HEADERS, load_tracer
 from tokenspeed_router.gateway.truth import TruthCollector, TruthLoop
 from tokenspeed_router.gateway.upstream import Upstreams
 
@@ -52,8 +55,11 @@ class Gateway:
         self.upstreams = Upstreams(service, config)
         self.truth = TruthLoop(config.truth_window, service.set_distrusted,
                                on_trust=getattr(service, "set_trust", None))
-        self.proxy = Proxy(service, config, self.upstreams, load_tokenizer(config.tokenizer, self.upstreams.client),
-                           self.truth)
+        #: the ``--tokenizer`` choice; ``POST /doctor/expect`` answers with it too
+        self.tokenizer = load_tokenizer(config.tokenizer, self.upstreams.client)
+        self.proxy = Proxy(service, config, self.upstreams, self.tokenizer, self.truth)
+        #: ``--otlp-traces-endpoint``: one span per request (None: OpenTelemetry never imported)
+        self.tracer = load_tracer(config.otlp_traces_endpoint)
         token = service.config.auth_token
         self._expected = token.encode() if token else None
         self._max_body = service.config.limits.max_body_bytes
@@ -71,6 +77,7 @@ class Gateway:
             Route("/v1/completions", _Asgi(self._completions), methods=["POST"]),
             Route("/v1/chat/completions", _Asgi(self._chat), methods=["POST"]),
             Route("/v1/models", _Asgi(self._models), methods=["GET"]),
+            Route("/doctor/expect", _Asgi(self._doctor_expect), methods=["POST"]),
         ]
 
     def front(self, app: Any) -> Any:
@@ -94,6 +101,8 @@ class Gateway:
 
     async def aclose(self) -> None:
         await self.upstreams.aclose()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # flush the spans still queued
 
     # --- what /workers and /health add ---------------------------------------------------
 
@@ -137,20 +146,29 @@ class Gateway:
 
     # --- endpoints -------------------------------------------------------------------
 
-    def _check(self, scope: Scope) -> dict[str, str]:
-        """Auth; returns the headers to pass on to the engine."""
+    def _check(self, scope: Scope) -> tuple[dict[str, str], bool]:
+        """Auth; returns the headers to pass on to the engine (the client's W3C trace context
+        too), and whether the client asked for the routing decision (``x-tokenspeed-explain``),
+        all read in the same pass."""
         authorization: bytes | None = None
+        explain: bytes | None = None
+        forward: dict[str, str] = {}
         for key, value in scope["headers"]:
             if key == b"authorization":
                 authorization = value
+            elif key == EXPLAIN_HEADER:
+                explain = value
+            elif key in TRACE_HEADERS:
+                forward[key.decode("latin-1")] = value.decode("latin-1")
         if self._expected is not None:
             presented = authorization.decode("latin-1") if authorization is not None else None
             try:
                 check_bearer(presented, self._expected, header=True)
             except RouterApiError as err:
                 raise OpenAIError(err.status, err.message, code="invalid_api_key") from None
-            return {}
-        return {"authorization": authorization.decode("latin-1")} if authorization is not None else {}
+        elif authorization is not None:
+            forward["authorization"] = authorization.decode("latin-1")
+        return forward, (explain is not None and explain_requested(explain))
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
@@ -160,16 +178,17 @@ class Gateway:
             raise OpenAIError(err.status, err.message, code="invalid_body") from None
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = self._check(scope)
+        headers, explain = self._check(scope)
         req = parse_completion(await self._body(scope, receive), max_tokens=self._max_tokens)
-        await self._serve(req, headers, receive, send)
+        await self._serve(req, headers, receive, send, explain)
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = self._check(scope)
+        headers, explain = self._check(scope)
         req = parse_chat(await self._body(scope, receive), max_tokens=self._max_tokens)
-        await self._serve(req, headers, receive, send)
+        await self._serve(req, headers, receive, send, explain)
 
-    async def _serve(self, req: ParsedRequest, headers: dict[str, str], receive: Receive, send: Send) -> None:
+    async def _serve(self, req: ParsedRequest, headers: dict[str, str], receive: Receive, send: Send,
+                     explain: bool = False) -> None:
         """Run the proxy in this task, cancelling it if the client disconnects first.
 
         One watcher task listens for the disconnect and cancels this one; the
@@ -195,9 +214,14 @@ class Gateway:
                 me.cancel()  # the client went away: cancel the upstream call, release at once
 
         watcher = asyncio.ensure_future(watch())
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start(headers, "/v1/chat/completions" if req.kind == "chat" else "/v1/completions")
+            headers = span.outgoing(headers)
+        failure: BaseException | None = None
         try:
             tokens = await self.proxy.token_ids(req)
-            await self.proxy.handle(req, tokens, tracked, headers)
+            await self.proxy.handle(req, tokens, tracked, headers, explain, trace=span)
         except asyncio.CancelledError:
             if not gone:
                 raise  # we are being cancelled ourselves (shutdown)
@@ -207,15 +231,18 @@ class Gateway:
             self.proxy.stats.disconnects += 1
             logger.debug("client disconnected: request cancelled")
         except Exception as err:
+            failure = err
             if not sent:
                 raise  # OpenAIError -> its answer; anything else -> a logged 500
             logger.error("gateway request failed after its answer started: %r", err)
         finally:
             over = True
             watcher.cancel()
+            if span is not None:
+                span.end(failure)
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = self._check(scope)
+        headers, _ = self._check(scope)
         urls = self.upstreams.worker_urls()
         if not urls:
             raise OpenAIError(503, "no reachable worker with a url", code="no_worker_available")
@@ -241,6 +268,45 @@ class Gateway:
         if not models and not any(answers):
             raise OpenAIError(502, "no worker answered GET /v1/models", code="upstream_error")
         await _send_json(send, 200, {"object": "list", "data": list(models.values())})
+
+
+    async def _doctor_expect(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /doctor/expect``: what this router computes for a prompt sent to one worker.
+
+        Body ``{"worker": NAME, "prompt": TEXT}`` or ``{"worker": NAME, "messages": [...]}``
+        (chat-template fields as in a chat request) or ``{"token_ids": [...]}``. Answer
+        ``{"token_ids", "scores", "block_size"}``: the tokens this router's ``--tokenizer``
+        gives (asking that worker's engine for ``engine``), and the index's match for them.
+        ``tokenspeed-router doctor --router URL`` compares these with what the engine
+        caches and reports. No side effects (nothing is routed or counted in flight).
+        """
+        self._check(scope)
+        try:
+            body = msgspec.json.decode(await self._body(scope, receive))
+        except msgspec.DecodeError as err:
+            raise OpenAIError(400, f"invalid JSON: {err}", code="invalid_body") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the body must be a JSON object", code="invalid_body")
+        worker = body.get("worker")
+        spec = self._service.worker_specs().get(worker) if isinstance(worker, str) else None
+        url = spec.url if spec is not None else None
+        try:
+            if isinstance(body.get("token_ids"), list):
+                tokens = body["token_ids"]
+            elif isinstance(body.get("messages"), list):
+                tokens = await self.tokenizer.chat_tokens(body, url)
+            elif isinstance(body.get("prompt"), str):
+                tokens = await self.tokenizer.completion_tokens(body["prompt"], body, url)
+            else:
+                raise OpenAIError(400, "give token_ids, a string prompt or chat messages", code="invalid_body")
+        except TokenizeError as err:
+            raise OpenAIError(502, f"tokenizing failed: {err}", code="tokenize_failed") from None
+        try:
+            detail = self._service.match(tokens).to_dict()
+        except TokenspeedError as err:
+            raise OpenAIError(400, str(err), code="invalid_body") from None
+        await _send_json(send, 200, {"token_ids": tokens, "scores": detail["scores"],
+                                     "block_size": detail["block_size"]})
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -4,7 +4,7 @@ They arrive through ``server/config.py`` like every other ``serve`` setting
 (flag > ``TOKENSPEED_ROUTER_*`` environment > TOML): ``--tokenizer``,
 ``--upstream-timeout-s``, ``--upstream-connect-timeout-s``,
 ``--upstream-max-connections``, ``--upstream-retries``,
-``--worker-down-cooldown-s``, ``--truth-window``. This module imports
+``--worker-down-cooldown-s``, ``--truth-window``, ``--otlp-traces-endpoint``. This module imports
 nothing of the server so that ``server/config.py`` can embed it.
 """
 
@@ -43,6 +43,9 @@ class GatewayConfig:
     worker_down_cooldown_s: float = 30.0
     #: truth loop: judge a worker on its last N informative requests
     truth_window: int = 16
+    #: OTLP/HTTP traces endpoint (``http://collector:4318/v1/traces``): one span per request
+    #: (needs the ``otel`` extra); None: no tracing, nothing of OpenTelemetry imported
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokenizer, str) or not self.tokenizer.strip():
@@ -51,6 +54,10 @@ class GatewayConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
                 raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
+        endpoint = self.otlp_traces_endpoint
+        if endpoint is not None and (not isinstance(endpoint, str)
+                                     or not endpoint.startswith(("http://", "https://"))):
+            raise ConfigError(f"otlp_traces_endpoint must be an http(s):// URL, got {endpoint!r}")
         for name, low in (("upstream_max_connections", 1), ("upstream_retries", 0), ("truth_window", 4)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

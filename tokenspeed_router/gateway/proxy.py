@@ -33,10 +33,12 @@ import msgspec
 from tokenspeed_router.asgi import Send, send_response
 from tokenspeed_router.errors import NoWorkerAvailableError, TokenspeedError, api_error
 from tokenspeed_router.gateway.config import GatewayConfig
+from tokenspeed_router.gateway.explain import ROUTE_HEADER, route_header
 from tokenspeed_router.gateway.http1 import ConnectFailed, Http1Response, UpstreamError
 from tokenspeed_router.gateway.openai import OpenAIError, ParsedRequest
 from tokenspeed_router.gateway.sse import SseRelay, sse_error_event
 from tokenspeed_router.gateway.tokenize import PromptTokenizer, TokenizeError
+from tokenspeed_router.gateway.tracing import RequestSpan
 from tokenspeed_router.gateway.truth import TruthLoop, TruthSample, cap_prediction
 from tokenspeed_router.gateway.upstream import Target, Upstreams, is_timeout, is_unreachable
 from tokenspeed_router.router.decision import RouteDecision
@@ -150,10 +152,10 @@ class Proxy:
 
     # --- routing -------------------------------------------------------------------
 
-    def _plan(self, tokens: list[int], request_id: str) -> _Plan:
+    def _plan(self, tokens: list[int], request_id: str, explain: bool = False) -> _Plan:
         service = self._service
         try:
-            decision: RouteDecision = service.route(tokens, request_id=request_id)
+            decision: RouteDecision = service.route(tokens, request_id=request_id, explain=explain)
             # the truth loop's prediction: the event index's view from the routing walk itself;
             # a policy that reads no index (a baseline, approx) leaves it to one walk here
             view = decision.index_match
@@ -190,14 +192,23 @@ class Proxy:
     # --- the request ---------------------------------------------------------------
 
     async def handle(self, req: ParsedRequest, tokens: list[int], send: Send,
-                     headers: dict[str, str]) -> None:
-        """Answer ``req`` on ``send``; raises :class:`OpenAIError` before anything is sent."""
+                     headers: dict[str, str], explain: bool = False, *,
+                     trace: RequestSpan | None = None) -> None:
+        """Answer ``req`` on ``send``; raises :class:`OpenAIError` before anything is sent.
+
+        ``explain``: the client sent ``x-tokenspeed-explain: 1``; an explained
+        decision (asked for, or sampled by ``--explain-sample``) is answered in
+        the ``x-tokenspeed-route`` header (``gateway/explain.py``).
+        ``trace`` (``--otlp-traces-endpoint``) is told each routing decision.
+        """
         request_id = f"{self._id_prefix}{next(self._ids)}"
         attempts = 0
         dropped = False  # a connection already dropped before answering for this request
         try:
             while True:
-                plan = self._plan(tokens, request_id)
+                plan = self._plan(tokens, request_id, explain)
+                if trace is not None:
+                    trace.routed(plan.decision, req.kind)
                 try:
                     if plan.remote_prefill:
                         await self._disaggregated(req, tokens, plan, send, headers)
@@ -246,9 +257,9 @@ class Proxy:
         resp.release()
         if resp.status != 200:
             self.stats.count(site.stream, f"http_{resp.status}")
-            await send_response(send, resp.status, content, _content_type(resp), [
+            await send_response(send, resp.status, content, _content_type(resp), _with_route([
                 (b"x-tokenspeed-worker", site.stream.encode()),
-                (b"x-tokenspeed-prefill-worker", site.stream.encode())])
+                (b"x-tokenspeed-prefill-worker", site.stream.encode())], plan))
             return
         try:
             answer = _decoder.decode(content)
@@ -285,7 +296,7 @@ class Proxy:
                 body["stream_options"] = opts
             data = _encoder.encode(body)
         resp = await self._open(target, req.path, data, headers, "worker")
-        worker_headers = [(b"x-tokenspeed-worker", target.stream.encode()), *(extra or [])]
+        worker_headers = _with_route([(b"x-tokenspeed-worker", target.stream.encode()), *(extra or [])], plan)
         done = False
         try:
             if resp.status != 200 or not req.stream:
@@ -325,9 +336,15 @@ class Proxy:
         """Relay an SSE answer; True when the engine's stream was read to its end."""
         relay = SseRelay(strip_usage=strip)
         started = False
+        # the prefill is done at the first *generated* token, not the first byte: a chat
+        # stream's role chunk comes before the prefill runs (see sse.py)
+        prefilled = not observe
         try:
             while (chunk := await resp.next_chunk()) is not None:
                 out = relay.feed(chunk)
+                if not prefilled and relay.generated:
+                    prefilled = True
+                    self._prefill_done(plan.request_id)
                 if not out:
                     continue
                 if not started:
@@ -335,8 +352,6 @@ class Proxy:
                     await send({"type": "http.response.start", "status": 200, "headers": [
                         (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                         *worker_headers]})
-                    if observe:
-                        self._prefill_done(plan.request_id)
                 await send({"type": "http.response.body", "body": out, "more_body": True})
         except _TRANSPORT as err:
             if not started:
@@ -413,6 +428,14 @@ def _with_usage(raw: bytes, req: ParsedRequest) -> bytes | None:
     if not text.startswith(b"{"):
         return None
     return _WITH_USAGE + text[1:]
+
+
+def _with_route(headers: list[tuple[bytes, bytes]], plan: _Plan) -> list[tuple[bytes, bytes]]:
+    """``headers`` plus ``x-tokenspeed-route`` when the decision was explained (one test otherwise)."""
+    explanation = plan.decision.explanation
+    if explanation is not None:
+        headers.append((ROUTE_HEADER, route_header(explanation)))
+    return headers
 
 
 def _content_type(resp: Http1Response) -> bytes:

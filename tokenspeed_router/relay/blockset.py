@@ -22,6 +22,16 @@ grouped into one event (up to 256 blocks); a block whose parent is not in
 the set (its chain was never complete here) is left out with its
 descendants, since a router would reject it as an unknown parent anyway.
 
+**Held blocks below a removed one.** An engine may evict a block from the
+middle of a chain and keep the blocks after it; a router keeps those (their
+content ids were chained through the removed block) and, when the engine
+stores the block again, matches the whole chain again. So a removed block
+is kept here as a *ghost* (not held, but still the parent of held blocks),
+and the dump writes each ghost a held block needs as a store followed, after
+every store, by its ``BlockRemoved``: a router fed the dump holds what a
+router fed every event holds. Ghosts no held block needs are pruned once
+they outnumber the held blocks (amortised O(1) per removal).
+
 Single owner, not thread safe. O(blocks in the event) per event, O(n) dump.
 """
 
@@ -147,6 +157,8 @@ class BlockSet:
     """Blocks by id (see the module docstring)."""
 
     _blocks: dict[BlockHash, _Block] = field(default_factory=dict)
+    #: removed blocks that may still be the parent of held ones (module docstring)
+    _ghosts: dict[BlockHash, _Block] = field(default_factory=dict)
     unknown_removals: int = 0
 
     def __len__(self) -> int:
@@ -169,6 +181,7 @@ class BlockSet:
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._ghosts.clear()
 
     def _store(self, ev: BlockStored) -> None:
         bs = ev.block_size
@@ -177,9 +190,12 @@ class BlockSet:
         parent = ev.parent_block_hash
         blocks = self._blocks
         lora_id, lora_name, salt, medium = ev.lora_id, ev.lora_name, ev.cache_salt, ev.medium
+        ghosts = self._ghosts
         for i, h in enumerate(ev.block_hashes):
             known = blocks.get(h)
             if known is None:
+                if ghosts:
+                    ghosts.pop(h, None)
                 tokens = _pack(toks[i * bs : (i + 1) * bs]) if toks else b""
                 blocks[h] = (parent, tokens, bs, lora_id, lora_name, salt, code, medium)
             elif code not in known[_MEDIA::2]:
@@ -199,11 +215,33 @@ class BlockSet:
                 if media:
                     blocks[h] = _with_media(block, media)
                     continue
-            del blocks[h]
+            self._bury(h, block)
+
+    def _bury(self, h: BlockHash, block: _Block) -> None:
+        """Drop a held block, keeping it as a ghost (held blocks below it may need it)."""
+        del self._blocks[h]
+        ghosts = self._ghosts
+        ghosts[h] = block
+        if len(ghosts) > max(1024, len(self._blocks)):
+            self._prune_ghosts()
+
+    def _prune_ghosts(self) -> None:
+        """Keep only the ghosts some held block descends from."""
+        blocks, ghosts = self._blocks, self._ghosts
+        needed: dict[BlockHash, _Block] = {}
+        for b in blocks.values():
+            parent = b[_PARENT]
+            while parent is not None and parent not in blocks and parent not in needed:
+                ghost = ghosts.get(parent)
+                if ghost is None:
+                    break
+                needed[parent] = ghost
+                parent = ghost[_PARENT]
+        self._ghosts = needed
 
     def _clear(self, medium: str | None) -> None:
         if medium is None:
-            self._blocks.clear()
+            self.clear()
             return
         code = medium_code(medium)
         blocks = self._blocks
@@ -214,15 +252,16 @@ class BlockSet:
             if media:
                 blocks[h] = _with_media(block, media)
             else:
-                del blocks[h]
+                self._bury(h, block)
 
     def dump(self) -> BlockSetDump:
         """The whole set as events (see the module docstring)."""
-        blocks = self._blocks
+        blocks, ghosts = self._blocks, self._ghosts
         events: list[Event] = [AllBlocksCleared()]
         runs: list[_Run] = []
         done: set[BlockHash] = set()
         orphan: set[BlockHash] = set()
+        revived: list[BlockHash] = []  # ghosts written as stores, removed again at the end
         for start in blocks:
             if start in done or start in orphan:
                 continue
@@ -230,15 +269,21 @@ class BlockSet:
             in_chain = {start}
             parent = blocks[start][_PARENT]
             while parent is not None and parent not in done:
-                if parent in orphan or parent not in blocks or parent in in_chain:
+                up = blocks.get(parent)
+                if up is None:
+                    up = ghosts.get(parent)
+                if parent in orphan or up is None or parent in in_chain:
                     orphan.update(chain)  # missing ancestor (or a cycle: bad input)
                     chain = []
                     break
                 chain.append(parent)
                 in_chain.add(parent)
-                parent = blocks[parent][_PARENT]
+                parent = up[_PARENT]
             for h in reversed(chain):
-                b = blocks[h]
+                b = blocks.get(h)
+                if b is None:  # a ghost: stored as it was, removed after every store
+                    b = ghosts[h]
+                    revived.append(h)
                 for medium in b[_MEDIA + 1 :: 2]:
                     run = runs[-1] if runs else None
                     if run is not None and run.extends(h, b, medium):
@@ -247,4 +292,10 @@ class BlockSet:
                         runs.append(_Run(h, b, medium))
                 done.add(h)
         events.extend(run.event() for run in runs)
-        return BlockSetDump(events, len(done), len(orphan))
+        by_medium: dict[str | None, list[BlockHash]] = {}
+        for h in revived:  # every tier it was written on
+            for medium in ghosts[h][_MEDIA + 1 :: 2]:
+                by_medium.setdefault(medium, []).append(h)
+        events.extend(BlockRemoved(block_hashes=hs, medium=m) for m, hs in by_medium.items())
+        held_orphans = sum(1 for h in orphan if h in blocks)
+        return BlockSetDump(events, len(done) - len(revived), held_orphans)

@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hashes-only", action="store_true",
         help="publish the router's content hashes instead of token ids (no token id leaves this host)",
     )
-    parser.add_argument("--topic", default="", help="the engine's topic (republished under it)")
+    parser.add_argument("--topic", default="", help="the engine's topic, republished under it "
+                        "(default: any topic, republished under the one the engine's messages carry)")
     parser.add_argument(
         "--buffer-steps", type=int, default=10_000, metavar="N",
         help="batches our replay ring keeps; older history is served as a snapshot (default 10000)",

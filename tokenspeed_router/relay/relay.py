@@ -75,7 +75,8 @@ class RelayConfig:
     """Our replay ROUTER endpoint (we bind)."""
     engine_replay: str | None = None
     topic: str = ""
-    """Topic of the engine's messages; republished under the same topic."""
+    """Topic of the engine's messages; republished under the same topic. Empty:
+    any topic, republished under the one the engine's messages carry."""
     buffer_steps: int = 10_000
     """Batches the relay's ring keeps (older ones live on in the snapshot)."""
     wire_format: WireFormat = "map"
@@ -293,6 +294,7 @@ class EventRelay:
 
     def _relay(self, item: SubscriberItem) -> int:
         if isinstance(item, BatchReceived):
+            self._follow_topic(item.topic)
             batch = item.batch
             out = self._hasher.translate(batch) if self._hasher is not None else batch
             published = self._publish(out)
@@ -315,6 +317,21 @@ class EventRelay:
         if self._hasher is not None:
             self._hasher.clear()
         return self._publish(KVEventBatch(time.time(), [AllBlocksCleared()]))
+
+    def _follow_topic(self, topic: bytes) -> None:
+        """Republish under the engine's own topic (a router's worker spec names that one)."""
+        publisher = self._publisher
+        assert publisher is not None
+        if self.config.topic or topic == publisher.topic.encode():
+            return
+        try:
+            name = topic.decode()
+        except UnicodeDecodeError:
+            logger.warning("relay: engine topic %r is not UTF-8; republishing under %r",
+                           topic[:64], publisher.topic)
+            return
+        logger.info("relay: republishing under the engine's topic %r", name)
+        publisher.set_topic(name)
 
     def _publish(self, batch: KVEventBatch) -> int:
         """Number, send and remember ``batch``. If that fails the routers would

@@ -44,6 +44,7 @@ from typing import Any
 import msgspec
 
 from tokenspeed_router.router.scoring import CostWeights, MatchDetailLike
+from tokenspeed_router.router.tiers import TIER_NAMES
 
 __all__ = [
     "CandidateCost",
@@ -55,8 +56,8 @@ __all__ = [
     "TIERS",
 ]
 
-#: tier names of ``KvIndex.match_detail`` (best first)
-TIERS: tuple[str, ...] = ("gpu", "cpu", "storage")
+#: tier names of ``KvIndex.match_detail`` (best first): ``router/tiers.py`` defines them
+TIERS: tuple[str, ...] = TIER_NAMES
 
 
 class CreditSource(str, enum.Enum):
@@ -210,6 +211,15 @@ def _by_tier(credit: PrefixCredit | None, tiers: Mapping[str, int] | None) -> di
     return {"gpu": credit.tokens, "cpu": 0, "storage": 0}
 
 
+def _lost_by(r: CostTerms, win: CostTerms | None) -> str:
+    """Why ``r`` lost to the winner ``win``: the margin, and the two terms an operator checks first."""
+    if win is None or win.cost is None or r.cost is None:
+        return "higher cost"
+    return (f"higher cost: {r.cost:.6g} vs {win.cost:.6g} on {win.worker} "
+            f"(uncached {r.uncached_tokens:.6g} vs {win.uncached_tokens:.6g} tokens, "
+            f"queued prefill {r.queue_tokens} vs {win.queue_tokens})")
+
+
 def explain_pool(
     rows: Sequence[CostTerms],
     chosen: str,
@@ -227,6 +237,7 @@ def explain_pool(
     ``random`` policy) rather than the argmin.
     """
     tiers = index_match.tiers if index_match is not None else None
+    win = next((r for r in rows if r.worker == chosen), None)
     out: list[CandidateCost] = []
     for r in rows:
         k = r.credit
@@ -240,7 +251,7 @@ def explain_pool(
         elif r.worker in tied:
             reason = "tied on cost, lost the tie-break (more in flight, or chosen more recently)"
         else:
-            reason = "higher cost"
+            reason = _lost_by(r, win)
         is_cold = r.worker in cold
         if is_cold:
             reason += "; cold: its prefix is not trusted, routed on load"

@@ -69,6 +69,7 @@ from tokenspeed_router.router.decision import (
 )
 from tokenspeed_router.router.engine_belief import EngineBelief, PrefillFit, rendezvous_pick
 from tokenspeed_router.router.index import lora_key
+from tokenspeed_router.router.peer_work import PeerPredictions
 from tokenspeed_router.router.scoring import (
     ApproxPrefixStore,
     CostWeights,
@@ -410,6 +411,8 @@ class Router:
         self._rng = rng if rng is not None else random.Random(config.seed)
         self._load_provider = load_provider
         self._peer_load = peer_load
+        #: the peer-load provider again when it also exchanges route predictions
+        self._peer_predictions = peer_load if isinstance(peer_load, PeerPredictions) else None
         self._workers: dict[str, _Worker] = {}
         #: workers taken from the index, not added explicitly (see ``_discover``)
         self._discovered: set[str] = set()
@@ -435,6 +438,7 @@ class Router:
         self._name_keys: dict[str, int] = {}
         self._route_now = 0.0
         self._route_hashes: list[ContentHash] | None = None
+        self._peer_ids = itertools.count()
         self._predicted: ApproxPrefixStore | None = None
         if config.predict_on_route_ttl_s > 0 and not self._v2:
             self._predicted = ApproxPrefixStore(
@@ -462,6 +466,7 @@ class Router:
     def set_peer_load(self, peer_load: PeerLoad | None) -> None:
         """Start (or stop, with None) adding other replicas' load to this router's."""
         self._peer_load = peer_load
+        self._peer_predictions = peer_load if isinstance(peer_load, PeerPredictions) else None
 
     # --- membership -----------------------------------------------------------
 
@@ -603,6 +608,9 @@ class Router:
         known: dict[str, PrefixCredit] = {}
         hashes: list[ContentHash] | None = None
         detail: MatchDetailLike | None = None
+        shared = self._peer_predictions
+        if shared is not None:
+            self._remember_peers(shared, now)
         if policy in (Policy.KV_AWARE, Policy.APPROX):
             known, hashes, detail = self._knowledge(token_ids, lora_id, salt, now)
 
@@ -634,6 +642,8 @@ class Router:
         self._admit(request_id, now, num_tokens, known, decode, prefill)
         if hashes is not None:
             self._remember(hashes, (site, decode), now)
+            if shared is not None:
+                shared.routed((site, decode) if site != decode else (site,), hashes)
         self._routed += 1
         if prefill is not None:
             self._remote_prefills += 1
@@ -1221,6 +1231,28 @@ class Router:
                 self._approx.record(name, hashes, now)
             elif self._predicted is not None:
                 self._predicted.record(name, hashes, now)
+
+    def _remember_peers(self, shared: PeerPredictions, now: float) -> None:
+        """Remember the other replicas' routes as if this router had made them."""
+        workers = self._workers
+        for p in shared.take_predictions():
+            known = tuple(w for w in p.workers if w in workers)
+            if not known:
+                continue
+            if not self._v2:
+                self._remember([ContentHash(h) for h in p.hashes], known, now)
+                continue
+            # v2: a bridged prediction of the peer's request, for as long as its prefill
+            # can take on that engine's clock (this router never hears its first token)
+            c = self._config
+            hashes = [int(h) for h in p.hashes]
+            for name in known:
+                eng = self._engine(name)
+                eng.touch(hashes)
+                if workers[name].events and c.predict_on_route_ttl_s > 0:
+                    wait = eng.queue_s(now) + eng.fit.predict(len(hashes) * self._approx.block_size)
+                    deadline = now + min(2 * wait + c.prediction_grace_s, c.predict_on_route_ttl_s)
+                    eng.predict(f"peer-{next(self._peer_ids)}", hashes, deadline)
 
     def _drop(self, entry: _InFlight) -> None:
         if self._engines:

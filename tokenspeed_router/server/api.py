@@ -66,9 +66,14 @@ class MatchRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RouteRequest(MatchRequest, frozen=True, kw_only=True):
-    """``POST /route`` body: a match plus an optional caller-chosen request id."""
+    """``POST /route`` body: a match plus an optional caller-chosen request id.
+
+    ``explain: true`` adds the decision's cost breakdown as the answer's
+    ``explain`` field (DESIGN §13); it must be a JSON boolean.
+    """
 
     request_id: str | int | None = None
+    explain: bool = False
 
 
 class ReleaseRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,6 +100,7 @@ class ZmqMatch(_ZmqBase, frozen=True, kw_only=True, tag="match"):
 
 class ZmqRoute(ZmqMatch, frozen=True, kw_only=True, tag="route"):
     request_id: str | int | None = None
+    explain: bool = False
 
 
 class ZmqRelease(_ZmqBase, frozen=True, kw_only=True, tag="release"):
@@ -125,6 +131,7 @@ class ZmqMatchRaw(_ZmqBase, frozen=True, kw_only=True, tag="match"):
 
 class ZmqRouteRaw(ZmqMatchRaw, frozen=True, kw_only=True, tag="route"):
     request_id: str | int | None = None
+    explain: bool = False
 
 
 ZmqRequestRaw = ZmqMatchRaw | ZmqRouteRaw | ZmqRelease | ZmqWorkers | ZmqHealth

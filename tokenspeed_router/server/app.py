@@ -16,15 +16,13 @@ Threads and who touches what::
 
 Two locks, always taken in this order: ``RouterService._ingest_lock`` (one
 writer into the ingestor and the index at a time) and ``RouterService._lock``
-(the router's state: workers, roles, cold flags, requests in flight). With
-the native index core (``KvIndex.concurrent_reads``) an item is applied
-holding only the ingest lock: the core locks each event and each query on its
-own, so ``/match`` and ``/route`` never wait behind a whole batch (they may see
-a batch half applied, never a block half stored); worker state changes take
-``_lock`` for the moment they touch the router. With the reference core an
-item is applied whole under both locks, as before. Queries hold ``_lock`` for
-a routing decision (microseconds); ``/match`` on the native core takes no
-lock of ours at all. The replay round trips of a subscriber happen on the
+(the router's state: workers, roles, cold flags, requests in flight). An
+item is applied holding only the ingest lock: the index (either core) locks
+each event and each query on its own, so ``/match`` and ``/route`` never wait
+behind a whole batch (they may see a batch half applied, never a block half
+stored); worker state changes take ``_lock`` for the moment they touch the
+router. Queries hold ``_lock`` for a routing decision (microseconds);
+``/match`` takes no lock of ours at all. The replay round trips of a subscriber happen on the
 ingestion thread without either lock.
 
 The ingestion seam (for the Redis state backend and anything else that wants
@@ -78,8 +76,16 @@ from tokenspeed_router.router.router import PeerLoad, Router, WorkerRole
 from tokenspeed_router.router.scoring import WorkerLoad
 from tokenspeed_router.server.api import api_errors
 from tokenspeed_router.server.config import ServerConfig, SubscriberSpec, WorkerSpec
+from tokenspeed_router.server.decision_log import DecisionLogCollector, DecisionLogWriter
+from tokenspeed_router.server.explain import ExplainSampler, ExplainStats, ExplainStatsCollector
 from tokenspeed_router.server.ingest_loop import IngestLoop
-from tokenspeed_router.server.metrics import ServiceMetrics, WorkerSample, WorkerStateCollector
+from tokenspeed_router.server.metrics import (
+    IndexCoreCollector,
+    IngestQueueCollector,
+    ServiceMetrics,
+    WorkerSample,
+    WorkerStateCollector,
+)
 from tokenspeed_router.server.worker_report import worker_entries, worker_samples
 from tokenspeed_router.server.workers import WorkerRegistry
 
@@ -190,6 +196,10 @@ class RouterService:
         self._lock = threading.RLock()  # re-entered by _on_state_change under the writers below
         self.metrics = ServiceMetrics(self._lock)
         self.metrics.add_collector(WorkerStateCollector(self._worker_samples))
+        self.metrics.add_collector(IndexCoreCollector(lambda: self._index.implementation))
+        self.metrics.add_collector(
+            IngestQueueCollector(lambda: self._loop.queue_stats() if self._loop is not None else {})
+        )
         self._wall_clock = wall_clock
         self._started_s = time.monotonic()
         self._own_context = context is None
@@ -208,6 +218,13 @@ class RouterService:
         self._peer_load: PeerLoad | None = None
         #: the ``source`` written in the header of a ``--record`` log
         self.record_source = record_source
+        # why this worker (server/explain.py): None when --explain-sample is 0, so the
+        # hot path pays one ``is None`` test; the decision log opens at start()
+        rate = config.explain.sample_rate
+        self._sampler: ExplainSampler | None = ExplainSampler(rate) if rate > 0 else None
+        self._explained = ExplainStats()
+        self.metrics.add_collector(ExplainStatsCollector(self._explained))
+        self.decision_log: DecisionLogWriter | None = None
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -248,6 +265,7 @@ class RouterService:
                 raise ConfigError(f"cannot write the event log {self.config.record!r}: {err}") from err
             self.recorder = RecordingSink(base, writer, self.metrics)
             self._sink = self.recorder
+        self.open_decision_log()
         # A replicated backend subscribes only while it leads (start_ingestion/stop_ingestion).
         self._ingesting = not getattr(base, "manages_ingestion", False)
         self._loop = IngestLoop(
@@ -257,11 +275,13 @@ class RouterService:
             on_error=self.metrics.ingest_errors.inc,
             stale_after_s=self.config.stale_after_s,
             replay_timeout_s=self.config.replay_timeout_s,
+            max_lag_s=self.config.ingest_max_lag_s,
+            queue_capacity=self.config.ingest_queue,
         )
         self._loop.start(subs if self._ingesting else [])
         self._serving = True
         self._notify_loop_changed()
-        logger.info("router service started with %d stream(s)", len(subs))
+        logger.info("router service started with %d stream(s), index core %s", len(subs), self._index.implementation)
 
     def _abort_start(self) -> None:
         """Undo a partial :meth:`start` (best effort, never raises)."""
@@ -278,6 +298,7 @@ class RouterService:
                 self._sink.close()
             except Exception:
                 logger.exception("closing the ingest sink after a failed start")
+        self._close_decision_log()
         if self._own_context and (self._loop is None or not self._loop.running):
             # Every socket made on our context (subscribers, monitors, a ZMQ API
             # socket bound before start) is closed with linger 0: ctx.term() alone
@@ -298,6 +319,7 @@ class RouterService:
                 self._sink.close()
             except Exception:
                 logger.exception("closing the ingest sink failed")
+        self._close_decision_log()
         if self._own_context:
             if self._loop is not None and self._loop.running:
                 logger.error("ingestion thread still running: not terminating the ZeroMQ context")
@@ -305,6 +327,29 @@ class RouterService:
                 self._ctx.term()
         # a service that never subscribed (replay, inspect) stops quietly
         logger.log(logging.INFO if self._loop is not None else logging.DEBUG, "router service stopped")
+
+    def open_decision_log(self) -> None:
+        """Start writing explained decisions to ``config.explain.decision_log`` (if set; idempotent).
+
+        Called by :meth:`start`; tools that serve without starting (``replay
+        --serve``) may call it themselves. Raises :class:`ConfigError` when
+        the file cannot be opened.
+        """
+        path = self.config.explain.decision_log
+        if path is None or self.decision_log is not None:
+            return
+        writer = DecisionLogWriter(path, max_bytes=self.config.explain.decision_log_max_bytes)
+        self.decision_log = writer
+        self.metrics.add_collector(DecisionLogCollector(writer))
+        logger.info("decision log %s (explain sample rate %g)", path, self.config.explain.sample_rate)
+
+    def _close_decision_log(self) -> None:
+        writer = self.decision_log
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception:
+                logger.exception("closing the decision log failed")
 
     def __enter__(self) -> RouterService:
         self.start()
@@ -403,13 +448,10 @@ class RouterService:
                 if isinstance(item, BatchReceived) and item.replayed:
                     replayed = self._workers.replayed
                     replayed[item.worker] = replayed.get(item.worker, 0) + 1
-                if not self._index.concurrent_reads:
-                    self._ingestor.on_item(item)
-            if self._index.concurrent_reads:
-                self._ingestor.on_item(item)  # the core locks per event: queries run meanwhile
-            if isinstance(item, BatchReceived) and item.batch.ts > 0:
+            self._ingestor.on_item(item)  # the index locks per event: queries run meanwhile
+            if isinstance(item, BatchReceived) and item.batch_ts > 0:
                 # publisher's timestamp -> visible to queries (same host clock assumed)
-                self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch.ts))
+                self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch_ts))
 
     def apply_record(
         self, worker: str, seq: int, batch: KVEventBatch, recv_time_s: float, *, payload: bytes | None = None
@@ -418,10 +460,7 @@ class RouterService:
         with self._ingest_lock:
             with self._lock:
                 self._ensure_worker(worker)
-                if not self._index.concurrent_reads:
-                    self._ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
-            if self._index.concurrent_reads:
-                self._ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
+            self._ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
 
     def _ensure_worker(self, name: str) -> None:
         # under the lock
@@ -559,16 +598,10 @@ class RouterService:
         :class:`~tokenspeed_router.errors.WireError` for token ids that cannot be hashed.
         """
         t0 = time.perf_counter()
-        index = self._index
-        if index.concurrent_reads:
-            # The native core locks each query and each event itself: a
-            # match never waits behind a whole batch held under our lock.
-            detail = index.match_detail(token_ids, lora_id=lora_id, salt=salt)
-            self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
-        else:
-            with self._lock:
-                detail = index.match_detail(token_ids, lora_id=lora_id, salt=salt)
-                self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
+        # The index locks each query and each event itself: a match never
+        # waits behind a whole batch, and takes no lock of ours.
+        detail = self._index.match_detail(token_ids, lora_id=lora_id, salt=salt)
+        self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
         return detail
 
     def route(
@@ -584,18 +617,36 @@ class RouterService:
 
         The typed decision (``to_dict()`` is the JSON) carries the index's view
         from the one walk and per-worker credits, so the gateway needs no
-        ``match`` of its own; ``explain=True`` adds the cost breakdown. Raises
+        ``match`` of its own; ``explain=True`` adds the cost breakdown, as does
+        ``--explain-sample`` for the decisions it picks (``server/explain.py``);
+        explained decisions go to the decision log when one is open. Raises
         :class:`~tokenspeed_router.errors.NoWorkerAvailableError` (no worker
         can take it) and :class:`~tokenspeed_router.errors.WireError` (bad
         token ids); the transports map them to statuses (``server/api.py``).
         """
         t0 = time.perf_counter()
         with self._lock:
+            sampled = False
+            if not explain and self._sampler is not None:
+                explain = sampled = self._sampler.take()
             d = self._router.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt, explain=explain)
             q = self.metrics.queries
             q.route_latency.observe(time.perf_counter() - t0)
             q.observe_route(d.worker, d.matched_tokens, len(token_ids))
+            if d.explanation is not None:
+                self._log_explained(d, sampled, token_ids, lora_id, salt)
         return d
+
+    def _log_explained(self, d: RouteDecision, sampled: bool, token_ids: Any, lora_id: Any, salt: Any) -> None:
+        # under the lock: exact counters, one queue append (the writer thread encodes)
+        if sampled:
+            self._explained.sampled += 1
+        else:
+            self._explained.asked += 1
+        log = self.decision_log
+        if log is not None:
+            log.submit(d, time_s=self._wall_clock(), cause="sampled" if sampled else "asked",
+                       token_ids=token_ids, lora_id=lora_id, salt=salt)
 
     def release(self, request_id: str) -> bool:
         """``POST /release``: True when the request was in flight (unknown ids are not errors)."""
@@ -624,12 +675,19 @@ class RouterService:
         now = self._wall_clock()
         connected = self._loop.connected() if self._loop is not None else {}
         stats = self._loop.statistics() if self._loop is not None else {}
+        lag = self._loop.lag() if self._loop is not None else {}
         with self._lock:
             peers = self._peer_load.peers() if self._peer_load is not None else {}
-            return worker_entries(
+            out = worker_entries(
                 self._workers, self._index, self._ingestor.statuses(), self._router.load(), stats, connected, now,
-                peers=peers,
+                peers=peers, ingest_lag=lag,
             )
+        if self._peer_load is not None:
+            # other replicas' in-flight work: "shared", or "degraded" (Redis down: local view only)
+            sharing = "degraded" if getattr(self._peer_load, "degraded", False) else "shared"
+            for entry in out.values():
+                entry["in_flight_sharing"] = sharing
+        return out
 
     def health(self) -> dict[str, Any]:
         """``GET /health``: a cheap summary, and whether routing can be trusted.
@@ -641,6 +699,7 @@ class RouterService:
         ``ok``/``degraded`` (see ``server/http.py``).
         """
         state = self._state_health() if self._state_health is not None else None
+        lag = self._loop.lag() if self._loop is not None else {}
         problems: list[str] = []
         if self._workers.streams:
             with self._lock:
@@ -652,13 +711,18 @@ class RouterService:
         status = "ok" if self._serving or self._loop is None else "stopping"
         if problems and status == "ok":
             status = "unavailable"
+        if status == "ok" and state is not None and state.get("sharing") == "degraded":
+            status = "degraded"  # serving on this replica's view of in-flight work only
         return {
             "status": status,
             "problems": problems,
             "uptime_s": round(time.monotonic() - self._started_s, 3),
             "workers": len(self._workers.roles),
+            "index_core": self._index.implementation,  # native, or reference (pure Python: slow)
             "ingesting": self._loop is not None and self._loop.running,  # the loop runs
             "subscribed": self._ingesting,  # False while a replicated backend leads elsewhere
+            # streams whose events reach the index late (informational: still served, see /workers)
+            "lagging": sorted(n for n, st in lag.items() if st.lagging),
             **({"state": state} if state is not None else {}),
         }
 
@@ -723,8 +787,10 @@ class RouterService:
     def _worker_samples(self) -> Iterator[WorkerSample]:
         now = self._wall_clock()
         stats = self._loop.statistics() if self._loop is not None else {}
+        lag = self._loop.lag() if self._loop is not None else {}
         with self._lock:
-            samples = worker_samples(self._workers, self._index, self._ingestor.statuses(), stats, now)
+            samples = worker_samples(self._workers, self._index, self._ingestor.statuses(), stats, now,
+                                     self._router.load(), lag)
         return iter(samples)
 
     @contextmanager

@@ -60,6 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "('-' reads stdin); answers go to stdout, one JSON object per line",
     )
     parser.add_argument("--serve", action="store_true", help="serve the rebuilt index over the HTTP API")
+    parser.add_argument(
+        "--decisions", metavar="FILE",
+        help="a decision log (serve --decision-log): rebuild the index as of each decision and decide it "
+        "again with --policy/--router-option (default: the logged policy and weights); prints a JSON "
+        "summary comparing the two (docs/operations.md)",
+    )
+    parser.add_argument(
+        "--decisions-out", metavar="FILE",
+        help="with --decisions: also write one JSON line per decision (logged vs re-decided) to FILE",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_listener_arguments(parser)
 
@@ -262,6 +272,34 @@ def _iter_lines(path: str) -> Iterator[str]:
         raise ConfigError(f"--queries {path}: {err}") from err
 
 
+def _replay_decisions(args: argparse.Namespace, service: Any, until_s: float | None) -> int:
+    """``replay LOG --decisions FILE``: see ``server/decision_replay.py``."""
+    from tokenspeed_router.server.config import parse_router_options
+    from tokenspeed_router.server.decision_log import DecisionLogReader
+    from tokenspeed_router.server.decision_replay import redecide_config, replay_decisions
+
+    reader = DecisionLogReader(args.decisions)
+    first = next(iter(reader), None)
+    options = parse_router_options(args.router_option or [], "--router-option")
+    config = redecide_config(first, args.policy, options, logged_view=False)
+    out: IO[str] | None = None
+    if args.decisions_out:
+        try:
+            out = open(args.decisions_out, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+        except OSError as err:
+            raise ConfigError(f"--decisions-out {args.decisions_out}: {err}") from err
+    try:
+        reader.malformed = 0  # the peek above read the first decision once
+        comparison = replay_decisions(service, open_event_source(args.file), reader, config, out=out,
+                                      until_s=until_s)
+    finally:
+        if out is not None:
+            out.close()
+    summary = {**comparison.to_dict(), "malformed_lines": reader.malformed}
+    sys.stdout.write(json.dumps(summary, sort_keys=True) + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from tokenspeed_router.server.app import RouterService
     from tokenspeed_router.server.http import HttpServer
@@ -270,6 +308,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--speed must be positive, got {args.speed}")
     if not Path(args.file).exists():
         raise ConfigError(f"{args.file}: no such file or directory")
+    if args.decisions_out and not args.decisions:
+        raise ConfigError("--decisions-out needs --decisions FILE")
+    if args.decisions and (args.queries or args.serve):
+        raise ConfigError("--decisions replays the log decision by decision: not with --queries or --serve")
     if args.queries and args.queries != "-" and not Path(args.queries).is_file():
         # Checked up front: a long replay must not end in "file not found".
         raise ConfigError(f"--queries {args.queries}: no such file")
@@ -284,6 +326,11 @@ def run(args: argparse.Namespace) -> int:
     roles = _roles_from_meta(args.file)
     if roles:
         service.preset_roles(roles)
+    if args.decisions:
+        try:
+            return _replay_decisions(args, service, _until_abs(args.until, first_s))
+        finally:
+            service.stop()
     stop = threading.Event()
     progress = _Progress(total, enabled=not args.no_progress)
     with shutdown_signals(stop.set):

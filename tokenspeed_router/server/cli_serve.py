@@ -22,8 +22,9 @@ from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.process import shutdown_signals
 from tokenspeed_router.server.config import ServerConfig, load_server_config
+from tokenspeed_router.server.explain import ExplainConfig
 
-__all__ = ["add_arguments", "add_gateway_arguments", "add_listener_arguments", "config_from_args", "run"]
+__all__ = ["add_arguments", "add_explain_arguments", "add_gateway_arguments", "add_listener_arguments", "config_from_args", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mark a worker stale after its endpoint has been unreachable for S seconds (default 10)",
     )
     parser.add_argument("--replay-timeout-s", type=float, metavar="S", help="gap replay timeout (default 2)")
+    parser.add_argument(
+        "--processes", type=int, metavar="N", default=1,
+        help="run N gateway processes on the one --http port (SO_REUSEPORT), sharing in-flight work "
+        "through --state, or through a private redis-server when --state is not given (docs/replicas.md)",
+    )
+    parser.add_argument(
+        "--reuse-port", action="store_true",
+        help="bind the HTTP port with SO_REUSEPORT, so other processes may listen on it too",
+    )
+    parser.add_argument(
+        "--ingest-max-lag-s", type=float, metavar="S",
+        help="a worker's stream more than S seconds behind its publisher sheds its backlog and resyncs (default 1)",
+    )
+    parser.add_argument(
+        "--ingest-queue", type=int, metavar="N",
+        help="event batches queued between receiving and applying; a full queue holds the receiver back (default 4096)",
+    )
     add_gateway_arguments(parser)
+    add_explain_arguments(parser)
     add_listener_arguments(parser)
+
+
+def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
+    """Why this worker (DESIGN §13; docs/operations.md). Each is also a TOML key and a
+    TOKENSPEED_ROUTER_<KEY> variable, spelled with '_'."""
+    g = parser.add_argument_group("why this worker (explained decisions)")
+    g.add_argument("--decision-log", metavar="FILE",
+                   help="append explained routing decisions to FILE as JSON lines (read back by "
+                   "replay/simulate --decisions)")
+    g.add_argument("--explain-sample", metavar="RATE",
+                   help="explain this fraction of decisions unasked, in [0, 1], deterministically (every "
+                   "1/RATE-th); they get the x-tokenspeed-route header / explain field and go to the "
+                   "decision log (default 1 with --decision-log, else 0)")
+    g.add_argument("--decision-log-max-bytes", metavar="N",
+                   help="rotate the decision log to FILE.1 at N bytes (default 268435456)")
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +135,9 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a down worker is routed to again when its /health answers, or after S seconds (default 30)")
     g.add_argument("--truth-window", type=int, metavar="N",
                    help="judge each worker's reported cached tokens over its last N informative requests (default 16)")
+    g.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="export one OpenTelemetry span per gateway request (the routing decision as attributes) "
+                   "to this OTLP/HTTP endpoint, e.g. http://collector:4318/v1/traces; needs the otel extra")
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> ServerConfig:
@@ -117,11 +154,15 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> ServerConfig
         "router": args.router_option,
         "stale_after_s": getattr(args, "stale_after_s", None),
         "replay_timeout_s": getattr(args, "replay_timeout_s", None),
+        "ingest_max_lag_s": getattr(args, "ingest_max_lag_s", None),
+        "ingest_queue": getattr(args, "ingest_queue", None),
         "inflight_timeout_s": args.inflight_timeout_s,
         "max_body_bytes": args.max_body_bytes,
         "max_tokens": args.max_tokens,
     }
     for key in GatewayConfig.setting_names():
+        flags[key] = getattr(args, key, None)
+    for key in ExplainConfig.setting_names():
         flags[key] = getattr(args, key, None)
     flags.update(overrides)
     return load_server_config(flags, os.environ, getattr(args, "config", None))
@@ -147,18 +188,37 @@ def resolve_state_sink(url: str) -> Callable[[Any], Any]:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    processes = getattr(args, "processes", 1)
+    if processes != 1:
+        return _supervise(args, config, processes)
     if not config.workers:
         logger.warning("no workers configured: add them with PUT /workers/{name} or --worker")
     sink_factory = resolve_state_sink(config.state) if config.state else None
     previous_interval = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
-        return _serve(config, sink_factory)
+        return _serve(config, sink_factory, reuse_port=getattr(args, "reuse_port", False))
     finally:
         sys.setswitchinterval(previous_interval)
 
 
-def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None) -> int:
+def _supervise(args: argparse.Namespace, config: ServerConfig, processes: int) -> int:
+    """``--processes N``: N ``serve`` children on one port (``server/processes.py``)."""
+    from tokenspeed_router.server.processes import supervise_from_args
+
+    if processes < 1:
+        raise ConfigError(f"--processes must be at least 1, got {processes}")
+    if config.zmq_api is not None:
+        raise ConfigError("--processes N cannot share one --zmq-api endpoint: use the HTTP API")
+    if config.record is not None:
+        raise ConfigError("--processes N cannot write one --record log from N processes")
+    if config.state is not None:
+        resolve_state_sink(config.state)  # a bad URL fails here, not N times in the children
+    argv = getattr(args, "argv", None) or sys.argv[1:]
+    return supervise_from_args(argv, processes, config.http, config.state)
+
+
+def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None, *, reuse_port: bool = False) -> int:
     from tokenspeed_router.server import gc_policy
     from tokenspeed_router.server.app import RouterService
     from tokenspeed_router.server.http import HttpServer
@@ -176,7 +236,7 @@ def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None) -> i
 
     try:
         if config.http is not None:
-            http = HttpServer(service, config.http)
+            http = HttpServer(service, config.http, reuse_port=reuse_port)
         if config.zmq_api is not None:
             zmq_api = ZmqApiServer(service, config.zmq_api)
         with shutdown_signals(request_stop):

@@ -113,8 +113,13 @@ class ZmqRouterClient:
         request_id: str | None = None,
         lora_id: int | str | None = None,
         salt: str | None = None,
+        explain: bool = False,
     ) -> Any:
-        return self.call("route", **_body(token_ids, lora_id, salt, request_id))
+        """``explain=True``: the answer also carries the decision's ``explain`` breakdown (DESIGN §13)."""
+        body = _body(token_ids, lora_id, salt, request_id)
+        if explain:
+            body["explain"] = True
+        return self.call("route", **body)
 
     def release(self, request_id: str) -> Any:
         return self.call("release", request_id=request_id)
@@ -175,8 +180,13 @@ class HttpRouterClient:
         request_id: str | None = None,
         lora_id: int | str | None = None,
         salt: str | None = None,
+        explain: bool = False,
     ) -> Any:
-        return self._post("/route", _body(token_ids, lora_id, salt, request_id))
+        """``explain=True``: the answer also carries the decision's ``explain`` breakdown (DESIGN §13)."""
+        body = _body(token_ids, lora_id, salt, request_id)
+        if explain:
+            body["explain"] = True
+        return self._post("/route", body)
 
     def release(self, request_id: str) -> Any:
         return self._post("/release", {"request_id": request_id})

@@ -43,6 +43,7 @@ from tokenspeed_router.endpoints import (
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.router.router import RouterConfig
+from tokenspeed_router.server.explain import ExplainConfig
 from tokenspeed_router.server.worker_spec import (
     WORKER_KEYS,
     SubscriberSpec,
@@ -106,7 +107,13 @@ class ServerConfig:
     limits: ApiLimits = field(default_factory=ApiLimits)
     stale_after_s: float = 10.0
     replay_timeout_s: float = 2.0
+    #: a stream more than this far behind its publisher sheds its backlog (server/apply_queue.py)
+    ingest_max_lag_s: float = 1.0
+    #: batches queued between the receiving and the applying thread (back-pressure beyond)
+    ingest_queue: int = 4096
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    #: why this worker: --decision-log, --explain-sample (server/explain.py)
+    explain: ExplainConfig = field(default_factory=ExplainConfig)
 
     def __post_init__(self) -> None:
         names: set[str] = set()
@@ -125,10 +132,12 @@ class ServerConfig:
             parse_endpoint(self.zmq_api, what="zmq_api")
         if self.auth_token is not None and (not self.auth_token or self.auth_token != self.auth_token.strip()):
             raise ConfigError("auth_token must be non-empty and have no surrounding whitespace")
-        for name in ("stale_after_s", "replay_timeout_s"):
+        for name in ("stale_after_s", "replay_timeout_s", "ingest_max_lag_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
+        if type(self.ingest_queue) is not int or self.ingest_queue < 1:
+            raise ConfigError(f"ingest_queue must be a positive integer, got {self.ingest_queue!r}")
 
     def subscribers(self) -> list[SubscriberSpec]:
         return [sub for spec in self.workers for sub in spec.subscribers()]
@@ -152,6 +161,19 @@ def _positive_float(value: Any, what: str) -> float:
         raise ConfigError(f"{what}: expected a number, got {value!r}") from None
     if not out > 0 or out == float("inf"):
         raise ConfigError(f"{what}: must be a positive finite number, got {value!r}")
+    return out
+
+
+def _fraction(value: Any, what: str) -> float:
+    """A number in [0, 1] (a rate such as ``--explain-sample``)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a number in [0, 1], got {value!r}")
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}: expected a number in [0, 1], got {value!r}") from None
+    if not 0.0 <= out <= 1.0:  # NaN fails too
+        raise ConfigError(f"{what}: must be in [0, 1] (a fraction of decisions), got {value!r}")
     return out
 
 
@@ -223,6 +245,8 @@ _SCALARS: dict[str, Callable[[Any, str], Any]] = {
     "policy": _text,
     "stale_after_s": _positive_float,
     "replay_timeout_s": _positive_float,
+    "ingest_max_lag_s": _positive_float,
+    "ingest_queue": lambda v, what: _int(v, what, low=1),
     "inflight_timeout_s": _positive_float,
     "max_body_bytes": _int,
     "max_tokens": _int,
@@ -233,8 +257,13 @@ _SCALARS: dict[str, Callable[[Any, str], Any]] = {
     "upstream_retries": lambda v, what: _int(v, what, low=0),
     "worker_down_cooldown_s": _positive_float,
     "truth_window": _int,
+    "otlp_traces_endpoint": _text,
+    "decision_log": lambda v, what: check_output_path(_text(v, what), what),
+    "explain_sample": _fraction,
+    "decision_log_max_bytes": _int,
 }
 assert set(GatewayConfig.setting_names()) <= set(_SCALARS), "every gateway setting needs a parser"
+assert set(ExplainConfig.setting_names()) <= set(_SCALARS), "every explain setting needs a parser"
 KNOWN_KEYS = (*_SCALARS, "workers", "router")
 #: the router table's key in the environment (``TOKENSPEED_ROUTER_ROUTER`` would read as a typo)
 _ROUTER_ENV = ENV_PREFIX + "ROUTER_OPTIONS"
@@ -360,13 +389,14 @@ def load_server_config(
             kwargs["auth_token"] = Path(token_file[0]).read_text().strip() or None
         except OSError as err:
             raise ConfigError(f"auth_token_file: {err}") from err
-    for key in ("stale_after_s", "replay_timeout_s"):
+    for key in ("stale_after_s", "replay_timeout_s", "ingest_max_lag_s", "ingest_queue"):
         if key in values:
             kwargs[key] = values[key][0]
     limits = {k: values[k][0] for k in ("max_body_bytes", "max_tokens") if k in values}
     if limits:
         kwargs["limits"] = ApiLimits(**limits)
     kwargs["gateway"] = GatewayConfig(**{k: values[k][0] for k in GatewayConfig.setting_names() if k in values})
+    kwargs["explain"] = ExplainConfig(**{k: values[k][0] for k in ExplainConfig.setting_names() if k in values})
     # Router knobs merge knob by knob (unlike workers): a flag overriding one
     # knob should not reset the others set in the file.
     knobs: dict[str, Any] = {}

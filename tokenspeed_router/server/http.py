@@ -55,6 +55,7 @@ from tokenspeed_router.server.api import (
 )
 from tokenspeed_router.server.app import RouterService
 from tokenspeed_router.server.config import WorkerSpec
+from tokenspeed_router.server.explain import decision_answer
 from tokenspeed_router.server.gc_policy import GcCollector
 from tokenspeed_router.server.loop_lag import LoopLag, LoopLagCollector
 from tokenspeed_router.server.metrics import CONTENT_TYPE
@@ -148,7 +149,8 @@ def create_app(service: RouterService) -> Starlette:
         req: RouteRequest = decode_json(_route_decoder, body)
         validate_request(req, limits)
         rid = request_id_text(req.request_id, limits)
-        return service.route(req.token_ids, request_id=rid, lora_id=req.lora_id, salt=req.salt).to_dict()
+        return decision_answer(
+            service.route(req.token_ids, request_id=rid, lora_id=req.lora_id, salt=req.salt, explain=req.explain))
 
     async def release(scope: Scope, body: bytes) -> Any:
         req: ReleaseRequest = decode_json(_release_decoder, body)
@@ -307,14 +309,14 @@ class HttpServer:
     when installed (``uvicorn[standard]``), the pure-Python h11 stack otherwise.
     """
 
-    def __init__(self, service: RouterService, address: HostPort) -> None:
+    def __init__(self, service: RouterService, address: HostPort, *, reuse_port: bool = False) -> None:
         if not is_loopback_host(address.host):
             auth = service.config.auth_token is not None
             logger.log(
                 logging.INFO if auth else logging.WARNING,
                 "HTTP API listening on non-loopback %s (auth %s)", address, "on" if auth else "OFF",
             )
-        self._sock = bind_socket(address)
+        self._sock = bind_socket(address, reuse_port=reuse_port)
         self.address = HostPort(address.host, self._sock.getsockname()[1])
         self._app = create_app(service)
         self.loop_lag = LoopLag()

@@ -43,6 +43,7 @@ from tokenspeed_router.server.api import (
     validate_request,
 )
 from tokenspeed_router.server.app import RouterService
+from tokenspeed_router.server.explain import decision_answer
 
 try:
     from tokenspeed_router._native import msgpack_tokens as _msgpack_tokens
@@ -194,12 +195,14 @@ class ZmqApiServer:
             validate_request(req, self._limits, len(tokens))
             if isinstance(req, ZmqRouteRaw):
                 rid = request_id_text(req.request_id, self._limits)
-                return service.route(tokens, request_id=rid, lora_id=req.lora_id, salt=req.salt).to_dict()
+                return decision_answer(
+                    service.route(tokens, request_id=rid, lora_id=req.lora_id, salt=req.salt, explain=req.explain))
             return service.match(tokens, lora_id=req.lora_id, salt=req.salt).to_dict()
         if isinstance(req, ZmqRoute):
             validate_request(req, self._limits)
             rid = request_id_text(req.request_id, self._limits)
-            return service.route(req.token_ids, request_id=rid, lora_id=req.lora_id, salt=req.salt).to_dict()
+            return decision_answer(service.route(
+                req.token_ids, request_id=rid, lora_id=req.lora_id, salt=req.salt, explain=req.explain))
         if isinstance(req, ZmqMatch):
             validate_request(req, self._limits)
             return service.match(req.token_ids, lora_id=req.lora_id, salt=req.salt).to_dict()

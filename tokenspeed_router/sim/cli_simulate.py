@@ -27,7 +27,13 @@ from tokenspeed_router.sim.report import (
     try_write_plots,
     write_results,
 )
-from tokenspeed_router.sim.runner import Interrupted, ProgressBar, run_policies, sweep
+from tokenspeed_router.sim.runner import (
+    Interrupted,
+    ProgressBar,
+    ReplicaOptions,
+    run_policies,
+    sweep,
+)
 from tokenspeed_router.sim.traces import (
     MOONCAKE_BLOCK_TOKENS,
     TraceRequest,
@@ -36,6 +42,7 @@ from tokenspeed_router.sim.traces import (
     trace_summary,
 )
 from tokenspeed_router.sim.workload import WorkloadConfig, generate_workload
+from tokenspeed_router.timing import PROFILES
 
 __all__ = ["add_arguments", "load_requests", "parse_router_options", "run"]
 
@@ -60,8 +67,9 @@ def _restart(text: str) -> tuple[float, str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``simulate`` (defaults documented in ``sim/cluster.py``)."""
     g = parser.add_argument_group("trace")
-    g.add_argument("--trace", required=True,
-                   help="Mooncake-format .jsonl file, or 'synthetic' for the built-in generator")
+    g.add_argument("--trace",
+                   help="Mooncake-format .jsonl file, or 'synthetic' for the built-in generator "
+                        "(required unless --decisions)")
     g.add_argument("--trace-block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS,
                    help="tokens per trace hash id (Mooncake: 512)")
     g.add_argument("--start-s", type=float, default=0.0, help="window start, trace time (s)")
@@ -72,12 +80,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--synthetic-requests", type=int, default=3000,
                    help="requests generated for --trace synthetic")
     c = parser.add_argument_group("cluster")
-    c.add_argument("--workers", type=int, required=True, help="workers (prefill pool if disaggregated)")
+    c.add_argument("--workers", type=int,
+                   help="workers (prefill pool if disaggregated; required unless --decisions)")
     c.add_argument("--decode-workers", type=int, default=0,
                    help="> 0: disaggregated run with this many decode workers")
     c.add_argument("--capacity-tokens", type=int, default=400_000, help="KV cache per worker (tokens)")
     c.add_argument("--block-size", type=int, default=16, help="cache page size (tokens)")
     c.add_argument("--eviction-policy", default="lru", help="lru, lfu, fifo, mru, filo, priority")
+    c.add_argument("--timing", choices=PROFILES, default="fifo",
+                   help="engine scheduler profile, the one engine-sim --timing runs: fifo = one "
+                        "prefill at a time (overhead + uncached / rate), decode without contention; "
+                        "chunked = vLLM-style steps with a token budget (default fifo)")
+    c.add_argument("--max-batched-tokens", type=int, default=2048,
+                   help="chunked profile: token budget per step (default 2048)")
+    c.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once per worker")
     c.add_argument("--prefill-rate", type=float, default=10_000.0, help="prefill tokens/s per worker")
     c.add_argument("--prefill-overhead-ms", type=float, default=20.0, help="fixed cost per prefill")
     c.add_argument("--decode-ms-per-token", type=float, default=20.0, help="time per output token")
@@ -91,6 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--restart", type=_restart, action="append", default=[], metavar="WORKER@SECONDS",
                    help="restart an engine at this simulated time (empty cache, event seq back to 0); "
                         "repeatable, e.g. --restart w1@600")
+    c.add_argument("--replicas", type=int, default=1,
+                   help="N router replicas split the requests round-robin (each follows every engine)")
+    c.add_argument("--replica-delay-ms", type=float, default=2.0,
+                   help="how late one replica's in-flight work reaches the others (Redis Pub/Sub: ~2 ms)")
+    c.add_argument("--replica-sharing", choices=["all", "load", "none"], default="all",
+                   help="what replicas share: load and route predictions (all), load only, or nothing")
     p = parser.add_argument_group("policies and output")
     p.add_argument("--policies", default=",".join(POLICY_ORDER),
                    help="comma-separated subset of " + ", ".join(KNOWN_POLICIES)
@@ -107,6 +129,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="write results.json and plots here")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    d = parser.add_argument_group("decision log (instead of a trace)")
+    d.add_argument("--decisions", metavar="FILE",
+                   help="a decision log (serve --decision-log): decide every logged decision again under each "
+                        "of --policies, on the logged credits and loads, and print a JSON comparison "
+                        "(docs/operations.md); --router-option applies")
+    d.add_argument("--decisions-out", metavar="FILE",
+                   help="with --decisions: one JSON line per decision and policy (logged vs re-decided)")
 
 
 def parse_router_options(items: list[str]) -> dict[str, Any]:
@@ -152,7 +181,10 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterConfig:
             prefill_overhead_s=args.prefill_overhead_ms / 1000.0,
             decode_s_per_token=args.decode_ms_per_token / 1000.0,
             kv_transfer_tokens_per_s=args.kv_transfer_rate,
+            profile=args.timing,
+            max_batched_tokens=args.max_batched_tokens,
         ),
+        max_num_seqs=args.max_num_seqs,
         event_delay_s=args.event_delay_ms / 1000.0,
         event_loss_rate=args.event_loss,
         seed=args.seed,
@@ -160,8 +192,54 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterConfig:
     )
 
 
+def _run_decisions(args: argparse.Namespace) -> int:
+    """``simulate --decisions FILE``: each of --policies against the logged decisions (logged state)."""
+    from tokenspeed_router.router.scoring import Policy
+    from tokenspeed_router.server.decision_log import DecisionLogReader
+    from tokenspeed_router.server.decision_replay import redecide_config, simulate_decisions
+
+    known = [p.value for p in Policy]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.policies == ",".join(POLICY_ORDER):  # the default: every policy a Router has
+        policies = [p for p in POLICY_ORDER if p in known]
+    unknown = [p for p in policies if p not in known]
+    if unknown or not policies:
+        raise ConfigError(f"--decisions re-decides with a Router policy; unknown {unknown}, choose from "
+                          f"{', '.join(known)}")
+    options = parse_router_options(args.router_option)
+    reader = DecisionLogReader(args.decisions)
+    first = next(iter(reader), None)
+    out = None
+    if args.decisions_out:
+        try:
+            out = open(args.decisions_out, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+        except OSError as err:
+            raise ConfigError(f"--decisions-out {args.decisions_out}: {err}") from err
+    results: dict[str, Any] = {}
+    try:
+        for policy in policies:
+            reader.malformed = 0
+            config = redecide_config(first, policy, options, logged_view=True)
+            if out is not None:
+                out.write(json.dumps({"policy": policy}) + "\n")
+            results[policy] = simulate_decisions(reader, config, out=out).to_dict()
+    finally:
+        if out is not None:
+            out.close()
+    doc = {"decisions": args.decisions, "logged_policy": first.policy if first else None,
+           "malformed_lines": reader.malformed, "policies": results}
+    print(json.dumps(doc, sort_keys=True))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``tokenspeed-router simulate``."""
+    if args.decisions_out and not args.decisions:
+        raise ConfigError("--decisions-out needs --decisions FILE")
+    if args.decisions:
+        return _run_decisions(args)
+    if args.trace is None or args.workers is None:
+        raise ConfigError("simulate needs --trace FILE and --workers N (or --decisions FILE)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in KNOWN_POLICIES]
     if unknown or not policies:
@@ -187,6 +265,12 @@ def run(args: argparse.Namespace) -> int:
           f"{stats['ideal_hit_ratio']:.1%}", file=sys.stderr)
     bar = None if args.quiet else ProgressBar()
     signal = not args.no_prefill_signal
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.replica_delay_ms < 0:
+        raise ConfigError(f"--replica-delay-ms must be >= 0, got {args.replica_delay_ms}")
+    replicas = ReplicaOptions(args.replicas, args.replica_delay_ms / 1000.0,
+                              None if args.replica_sharing == "none" else args.replica_sharing)
     if args.event_loss > 0 or args.sweep_event_loss:
         # Losses are deliberate here: one resync warning per lost batch would bury the table.
         ingest_log = logging.getLogger("tokenspeed_router.router.ingest")
@@ -194,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     interrupted = False
     try:
         runs = run_policies(policies, requests, cluster, router_options=router_options,
-                            signal_prefill_done=signal, progress=bar)
+                            signal_prefill_done=signal, progress=bar, replicas=replicas)
     except Interrupted as stop:
         if not stop.finished:
             raise
@@ -221,6 +305,9 @@ def run(args: argparse.Namespace) -> int:
         "prefill_overhead_s": cluster.cost.prefill_overhead_s,
         "decode_s_per_token": cluster.cost.decode_s_per_token,
         "kv_transfer_tokens_per_s": cluster.cost.kv_transfer_tokens_per_s,
+        "timing": cluster.cost.profile,
+        "max_batched_tokens": cluster.cost.max_batched_tokens,
+        "max_num_seqs": cluster.max_num_seqs,
         "event_delay_s": cluster.event_delay_s,
         "event_loss_rate": cluster.event_loss_rate,
         "seed": cluster.seed,
@@ -231,6 +318,9 @@ def run(args: argparse.Namespace) -> int:
         "max_requests": args.max_requests,
         "router_options": router_options,
         "prefill_done_signal": signal,
+        "replicas": args.replicas,
+        "replica_delay_s": replicas.delay_s if args.replicas > 1 else None,
+        "replica_sharing": args.replica_sharing if args.replicas > 1 else None,
         "interrupted": interrupted,
     }
     doc = results_document(trace=trace_name, workers=cluster.num_workers, runs=runs,

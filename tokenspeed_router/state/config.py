@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from tokenspeed_router.errors import ConfigError
 
-__all__ = ["RedisStateConfig", "StateKeys"]
+__all__ = ["RedisStateConfig", "StateKeys", "join_url"]
 
 _SCHEMES = ("redis", "rediss", "unix")
 
@@ -68,10 +68,19 @@ class RedisStateConfig:
     #: replica's load clears after at most this); also how long a Redis outage
     #: is bridged with the last view of the peers before routing on local load.
     load_ttl_s: float = 2.0
-    #: Sync at least this often (to see the peers' changes while idle)...
-    load_refresh_s: float = 0.05
-    #: ...and at most this often (a burst of local changes costs one round trip).
-    load_min_interval_s: float = 0.005
+    #: Heartbeat: publish this replica's totals at least this often (a late
+    #: joiner knows everyone after one period; must stay below ``load_ttl_s``)...
+    load_refresh_s: float = 0.25
+    #: ...and at most once per this (a burst of local changes costs one message).
+    load_min_interval_s: float = 0.001
+    #: How in-flight work travels: ``pubsub`` (Redis Pub/Sub, the default:
+    #: measured faster with a far shorter tail) or ``streams`` (XADD / XREAD).
+    flight_transport: str = "pubsub"
+    #: How the index is fed: ``direct`` (every replica subscribes to every
+    #: engine itself: active-active) or ``stream`` (only the lease holder
+    #: subscribes and appends to a Redis stream the others read: for engines
+    #: reachable from one place only). See docs/replicas.md.
+    ingest: str = "direct"
     replica_id: str = field(default_factory=_default_replica_id)
 
     def __post_init__(self) -> None:
@@ -101,6 +110,10 @@ class RedisStateConfig:
                 "load timing must satisfy 0 <= load_min_interval_s <= load_refresh_s < load_ttl_s, "
                 f"got {self.load_min_interval_s}, {self.load_refresh_s}, {self.load_ttl_s}"
             )
+        if self.flight_transport not in ("pubsub", "streams"):
+            raise ConfigError(f"flight_transport must be 'pubsub' or 'streams', got {self.flight_transport!r}")
+        if self.ingest not in ("direct", "stream"):
+            raise ConfigError(f"ingest must be 'direct' or 'stream', got {self.ingest!r}")
         if self.backoff_min_s > self.backoff_max_s:
             raise ConfigError("backoff_min_s must not exceed backoff_max_s")
         if self.read_block_ms / 1000 >= self.socket_timeout_s:
@@ -134,7 +147,7 @@ class RedisStateConfig:
             else:
                 rest.append((key, value))
         query = "&".join(f"{k}={v}" for k, v in rest)
-        clean = urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment))
+        clean = join_url(parts.scheme, parts.netloc, parts.path, query, parts.fragment)
         ours.update(overrides)
         try:
             return cls(url=clean, **ours)
@@ -144,6 +157,15 @@ class RedisStateConfig:
     def with_(self, **changes: Any) -> RedisStateConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
+
+
+def join_url(scheme: str, netloc: str, path: str, query: str, fragment: str = "") -> str:
+    """``urlunsplit`` that keeps ``unix:///path`` whole (it writes ``unix:/path``,
+    which redis-py refuses: "unix" is not among the schemes it knows have a netloc)."""
+    url = urlunsplit((scheme, netloc, path, query, fragment))
+    if not netloc and scheme and url.startswith(f"{scheme}:/") and not url.startswith(f"{scheme}://"):
+        url = f"{scheme}://{url[len(scheme) + 1:]}"
+    return url
 
 
 _FLOATS = {"lease_ttl_s", "lease_renew_s", "snapshot_every_s", "backoff_min_s", "backoff_max_s",
@@ -186,6 +208,9 @@ class StateKeys:
     snapshot_meta: str
     snapshot_lock: str
     load: str
+    #: Pub/Sub channel and stream key of the shared in-flight work (state/load.py)
+    flight: str
+    flight_stream: str
 
     @classmethod
     def for_cluster(cls, cluster: str) -> StateKeys:
@@ -194,4 +219,5 @@ class StateKeys:
             lease=p + "lease", fence=p + "fence", stream=p + "stream", counter=p + "count",
             generation=p + "gen", snapshot=p + "snap", snapshot_meta=p + "snapmeta",
             snapshot_lock=p + "snaplock", load=p + "load",
+            flight=p + "flight", flight_stream=p + "flightlog",
         )

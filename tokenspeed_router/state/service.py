@@ -37,7 +37,10 @@ from tokenspeed_router.state.config import RedisStateConfig
 from tokenspeed_router.state.load import SharedLoad
 from tokenspeed_router.state.replica import RedisStateReplica
 
-__all__ = ["RedisIngestSink", "ServiceHost", "StateCollector", "create_ingest_sink"]
+__all__ = [
+    "DirectIngestSink", "RedisIngestSink", "ServiceHost", "SharingCollector", "StateCollector",
+    "create_ingest_sink",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +108,8 @@ class RedisIngestSink:
     def health(self) -> dict[str, object]:
         """The ``state`` part of ``/health``."""
         out = self.replica.health().to_dict()
-        if self.shared_load is not None:
-            out["shared_load"] = self.shared_load.statistics().to_dict()
+        out["ingest"] = "stream"
+        _add_sharing(out, self.shared_load)
         return out
 
     # ingestion control, called from the replica's lease thread
@@ -122,13 +125,79 @@ class RedisIngestSink:
             self._service.stop_ingestion()
 
 
-def create_ingest_sink(url: str, service: ServiceHost) -> RedisIngestSink:
-    """Build, warm-start and run the Redis state replica for ``service`` (SinkFactory)."""
+class DirectIngestSink:
+    """The service's ingest sink with ``ingest=direct`` (active-active, the default).
+
+    Every replica subscribes to every engine (or relay) itself and applies
+    what it receives in this process, exactly as a single router does: the
+    index is a pure function of the event streams, so replicas converge with
+    no leader hop. Redis carries only the shared in-flight work.
+    """
+
+    #: The service subscribes to every worker at start, as without ``--state``.
+    manages_ingestion = False
+
+    def __init__(self, config: RedisStateConfig, service: ServiceHost) -> None:
+        self.config = config
+        self._apply = service.apply_item
+        self._service = service
+        self.shared_load: SharedLoad | None = None
+
+    def submit(self, item: SubscriberItem) -> None:
+        self._apply(item)
+
+    def close(self) -> None:
+        if self.shared_load is not None:
+            self._service.attach_peer_load(None)
+            self.shared_load.close()
+
+    def health(self) -> dict[str, object]:
+        """The ``state`` part of ``/health``: no leader, no stream; the sharing status."""
+        out: dict[str, object] = {
+            "backend": "redis", "ingest": "direct", "replica_id": self.config.replica_id,
+            "role": "replica", "degraded": False, "reason": None,
+        }
+        _add_sharing(out, self.shared_load)
+        return out
+
+
+def _add_sharing(out: dict[str, object], shared: SharedLoad | None) -> None:
+    """The in-flight sharing status in ``/health``'s ``state`` (degraded: local view only)."""
+    if shared is None:
+        out["sharing"] = "off"
+        return
+    stats = shared.statistics()
+    out["shared_load"] = stats.to_dict()
+    out["sharing"] = "degraded" if stats.fallback else "shared"
+    if stats.fallback:
+        out["degraded"] = True
+        why = "in-flight sharing: Redis unreachable, routing on this replica's view only"
+        out["reason"] = f"{out['reason']}; {why}" if out.get("reason") else why
+
+
+def create_ingest_sink(url: str, service: ServiceHost) -> RedisIngestSink | DirectIngestSink:
+    """Build and run the Redis state backend for ``service`` (SinkFactory).
+
+    ``ingest=direct`` (default): subscribe here, share in-flight work.
+    ``ingest=stream``: warm-start from the snapshot + stream, subscribe only
+    while holding the lease.
+    """
     config = RedisStateConfig.from_url(url)
+    if config.ingest == "direct":
+        direct = DirectIngestSink(config, service)
+        if config.share_load:
+            direct.shared_load = SharedLoad(config, service.local_load).start()
+            service.attach_peer_load(direct.shared_load)
+        service.metrics.add_collector(SharingCollector(lambda: direct.shared_load))
+        logger.info("state: replica %s on %s (cluster %s): direct ingestion, in-flight sharing %s "
+                    "over %s", config.replica_id, _redact(config.url), config.cluster,
+                    "on" if config.share_load else "off", config.flight_transport)
+        return direct
     replica = RedisStateReplica(config, service)
     sink = RedisIngestSink(replica, service)
     replica.set_ingestion((sink.start_ingestion, sink.stop_ingestion))
-    service.metrics.add_collector(StateCollector(replica, lambda: sink.shared_load))
+    service.metrics.add_collector(StateCollector(replica))
+    service.metrics.add_collector(SharingCollector(lambda: sink.shared_load))
     report = replica.start()
     if config.share_load:
         # after the warm start: it may replace the service's router
@@ -152,10 +221,8 @@ def _redact(url: str) -> str:
 class StateCollector:
     """Prometheus metrics of the state backend, sampled at scrape time."""
 
-    def __init__(self, replica: RedisStateReplica,
-                 shared: Callable[[], SharedLoad | None] = lambda: None) -> None:
+    def __init__(self, replica: RedisStateReplica) -> None:
         self._replica = replica
-        self._shared = shared
 
     def describe(self) -> Iterable[Any]:
         return []
@@ -204,20 +271,44 @@ class StateCollector:
                                          h.dropped),
             "tokenspeed_state_takeovers": ("times this replica became the leader", h.takeovers),
         }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=float(value))
+
+
+class SharingCollector:
+    """Prometheus metrics of the shared in-flight work, sampled at scrape time."""
+
+    def __init__(self, shared: Callable[[], SharedLoad | None]) -> None:
+        self._shared = shared
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         shared = self._shared()
-        if shared is not None:
-            s = shared.statistics()
-            gauges_load = {
-                "tokenspeed_state_load_peers": ("other live replicas sharing in-flight load", s.peers),
-                "tokenspeed_state_load_peer_requests": ("requests in flight on other replicas",
-                                                        s.peer_requests),
-                "tokenspeed_state_load_fallback": ("1 while routing on local load only (Redis down)",
-                                                   float(s.fallback)),
-            }
-            for name, (doc, value) in gauges_load.items():
-                yield GaugeMetricFamily(name, doc, value=float(value))
-            counters["tokenspeed_state_load_syncs"] = ("in-flight load syncs with Redis", s.syncs)
-            counters["tokenspeed_state_load_sync_errors"] = ("in-flight load syncs that failed",
-                                                             s.sync_errors)
+        if shared is None:
+            return
+        s = shared.statistics()
+        gauges = {
+            "tokenspeed_state_load_peers": ("other live replicas sharing in-flight work", s.peers),
+            "tokenspeed_state_load_peer_requests": ("requests in flight on other replicas",
+                                                    s.peer_requests),
+            "tokenspeed_state_load_fallback": ("1 while routing on the local view only (Redis down)",
+                                               float(s.fallback)),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        counters = {
+            "tokenspeed_state_load_syncs": ("in-flight messages published", s.syncs),
+            "tokenspeed_state_load_sync_errors": ("in-flight publishes and receives that failed",
+                                                  s.sync_errors),
+            "tokenspeed_state_load_received": ("in-flight messages received from other replicas",
+                                               s.received),
+            "tokenspeed_state_load_malformed": ("unreadable in-flight messages skipped", s.malformed),
+            "tokenspeed_state_load_predictions_received": ("peer route predictions received",
+                                                           s.predictions_received),
+        }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(value))

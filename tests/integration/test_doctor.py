@@ -1,0 +1,160 @@
+"""``tokenspeed-router doctor`` against real engine-sims, each misconfigured one way (DESIGN §13).
+
+One fleet for the module: a healthy engine and one engine per misconfiguration
+knob, all started at once, and one doctor run over all of them (the engines
+are checked concurrently). Each misconfigured engine must fail the check that
+names its cause, and the healthy one must pass everything. A second run goes
+through a real ``serve`` (``--router URL``: the router's /workers, its
+``POST /doctor/expect`` tokenizer and its /match). Everything is real:
+subprocesses, ZeroMQ, HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import REPO_ROOT
+from support.engine_sim import EngineSim
+from support.server import ServeProcess
+
+#: engine -> its misconfiguration flags. Faults that show in different checks share an
+#: engine, so the fleet starts six processes, not ten (each check is still named alone).
+ENGINES: dict[str, list[str]] = {
+    "healthy": [],
+    "seed-usage": ["--fault-hash-seed", "7", "--fault-no-usage-details"],
+    "bs-chat": ["--fault-publish-block-size", "32", "--fault-chat-template"],
+    "tok-rank": ["--fault-tokenizer-skew", "--fault-dp-rank", "3"],
+    "no-events": ["--fault-no-events"],
+    "lag-lora": ["--fault-event-delay", "2.5", "--fault-lora-id", "7"],
+}
+#: misconfiguration -> (engine, the check that must fail, words its cause must contain)
+FAULTS: dict[str, tuple[str, str, str]] = {
+    "hash seed": ("seed-usage", "hashes", "different seeds"),
+    "no usage reporting": ("seed-usage", "usage", "cached_tokens"),
+    "block size": ("bs-chat", "block_size", "block size"),
+    "chat template": ("bs-chat", "tokens", "chat template"),
+    "tokenizer": ("tok-rank", "tokens", "tokenizer"),
+    "dp rank": ("tok-rank", "spec", "data-parallel rank"),
+    "no events": ("no-events", "events", "publishes no KV events"),
+    "event lag": ("lag-lora", "events", "later than the bound"),
+    "lora": ("lag-lora", "spec", "LoRA"),
+}
+#: engine -> every check that fails there (the others pass: the report points at the faults)
+FAILING: dict[str, set[str]] = {
+    "healthy": set(),
+    "seed-usage": {"hashes", "usage", "reuse"},
+    "bs-chat": {"block_size", "tokens", "reuse"},
+    "tok-rank": {"tokens", "spec"},
+    "no-events": {"events", "block_size", "hashes", "reuse", "spec"},
+    "lag-lora": {"events", "spec", "reuse", "hashes"},
+}
+COMMON = ["--instant", "--capacity-tokens", "16384"]
+DOCTOR_FLAGS = ["--timeout", "8", "--max-event-lag", "1.0"]
+
+
+def spec(name: str, engine: EngineSim) -> str:
+    return f"name={name},url={engine.url},events={engine.events},replay={engine.replay_endpoint}"
+
+
+def doctor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tokenspeed_router.cli", "doctor", *args], cwd=REPO_ROOT,
+                          env={**os.environ}, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    workdir = tmp_path_factory.mktemp("doctor")
+    engines = {name: EngineSim(workdir, [*COMMON, *flags]) for name, flags in ENGINES.items()}
+    try:
+        with ThreadPoolExecutor(len(engines)) as pool:
+            list(pool.map(lambda e: e.start(timeout_s=120), engines.values()))
+        yield engines
+    finally:
+        for e in engines.values():
+            if e.proc is not None:
+                e.stop()
+
+
+@pytest.fixture(scope="module")
+def direct_report(fleet: dict[str, EngineSim]) -> dict[str, Any]:
+    args = [a for name, e in fleet.items() for a in ("--worker", spec(name, e))]
+    proc = doctor(*args, *DOCTOR_FLAGS, "--json")
+    assert proc.returncode == 1, proc.stderr  # some engine fails
+    report = json.loads(proc.stdout)
+    return {"report": report, "engines": {e["worker"]: e for e in report["engines"]}}
+
+
+def checks(engine: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in engine["checks"]}
+
+
+def test_the_report_has_the_contract_shape(direct_report: dict[str, Any]) -> None:
+    report = direct_report["report"]
+    assert report["ok"] is False
+    for engine in report["engines"]:
+        assert set(engine) == {"worker", "ok", "checks"}
+        assert [c["name"] for c in engine["checks"]] == [
+            "events", "block_size", "tokens", "hashes", "usage", "reuse", "spec"]
+        for c in engine["checks"]:
+            assert {"name", "ok", "detail"} <= set(c) <= {"name", "ok", "detail", "cause", "fix"}
+            assert c["ok"] or (c["cause"] and c["fix"]), c
+
+
+def test_a_healthy_engine_passes_every_check(direct_report: dict[str, Any]) -> None:
+    healthy = direct_report["engines"]["healthy"]
+    assert healthy["ok"], json.dumps(healthy, indent=1)
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_each_misconfiguration_is_named(direct_report: dict[str, Any], fault: str) -> None:
+    name, check, words = FAULTS[fault]
+    engine = direct_report["engines"][name]
+    got = checks(engine)[check]
+    assert not got["ok"], json.dumps(engine, indent=1)
+    assert words.lower() in got["cause"].lower(), got
+
+
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_checks_unrelated_to_the_faults_pass(direct_report: dict[str, Any], name: str) -> None:
+    """A fault does not smear over the report: only the checks it touches fail."""
+    failing = {n for n, c in checks(direct_report["engines"][name]).items() if not c["ok"]}
+    assert failing == FAILING[name], json.dumps(direct_report["engines"][name], indent=1)
+
+
+def test_exit_zero_and_one_line_per_check_on_a_healthy_fleet(fleet: dict[str, EngineSim]) -> None:
+    proc = doctor("--worker", spec("healthy", fleet["healthy"]), *DOCTOR_FLAGS)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 8 and lines[-1].startswith("ok: 7 of 7 checks passed"), proc.stdout
+    assert all(line.split()[0] == "healthy" and line.split()[2] == "ok" for line in lines[:-1])
+
+
+def test_bad_usage_exits_two() -> None:
+    assert doctor().returncode == 2
+    assert doctor("--worker", "name=x").returncode == 2  # no events endpoint
+    proc = doctor("--router", "http://127.0.0.1:9", "--worker", "name=x,events=tcp://127.0.0.1:1")
+    assert proc.returncode == 2 and "not both" in proc.stderr
+
+
+def test_through_a_running_router(fleet: dict[str, EngineSim], tmp_path: Path) -> None:
+    """--router URL: specs from /workers, tokens from the router's tokenizer, predictions from its index."""
+    names = ("healthy", "tok-rank", "bs-chat")
+    args = [a for n in names for a in ("--worker", spec(n, fleet[n]))]
+    with ServeProcess(args, tmp_path).start(timeout_s=60) as router:
+        proc = doctor("--router", router.url, *DOCTOR_FLAGS, "--json")
+        expect = router.post("/doctor/expect", {"worker": "tok-rank", "prompt": "a b c"})
+    assert proc.returncode == 1, proc.stderr
+    engines = {e["worker"]: e for e in json.loads(proc.stdout)["engines"]}
+    assert set(engines) == set(names)
+    assert engines["healthy"]["ok"], json.dumps(engines["healthy"], indent=1)
+    assert "tokenizer" in checks(engines["tok-rank"])["tokens"]["cause"]
+    assert not checks(engines["bs-chat"])["block_size"]["ok"]
+    # the router's own answer: the skewed engine's /tokenize adds a leading token
+    assert len(expect["token_ids"]) == 4 and set(expect) == {"token_ids", "scores", "block_size"}

@@ -1,0 +1,225 @@
+"""The engines' KV event streams, followed exactly as the router follows them.
+
+One thread owns every :class:`~tokenspeed_router.events.EventSubscriber`
+(the router's own: slow-joiner replay from 0, gaps, restarts) and a
+:class:`~tokenspeed_router.router.KvIndex` fed with what they deliver, so
+"what the router computes from these events" is the router's code, not a
+re-implementation. Every ``BlockStored`` is also kept with the time it was
+received (``time.monotonic()``) and the batch's DP rank, for the checks.
+
+Joining: ZeroMQ drops what a PUB sends before the SUB's connection and
+subscription are up. The watcher reports a stream joined once its socket
+monitor saw the handshake, plus :data:`SUBSCRIBE_GRACE_S` (ZeroMQ gives no
+signal that the publisher applied the subscription); canaries are sent only
+then. Streams with a replay endpoint also recover anything missed through
+the subscriber's replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from tokenspeed_router.errors import TokenspeedError
+from tokenspeed_router.events.schema import BlockStored
+from tokenspeed_router.events.subscriber import (
+    BatchReceived,
+    EventSubscriber,
+    PublisherRestarted,
+    ResyncNeeded,
+)
+from tokenspeed_router.router.index import KvIndex, MatchDetail
+
+__all__ = ["Seen", "StreamTarget", "Watcher"]
+
+logger = logging.getLogger(__name__)
+
+SUBSCRIBE_GRACE_S = 0.1
+_POLL_MS = 20
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamTarget:
+    """One event stream to follow: a worker, or one DP rank of it."""
+
+    name: str
+    worker: str
+    dp_rank: int
+    events: str
+    replay: str | None = None
+    topic: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """One ``BlockStored`` as it arrived."""
+
+    stream: str
+    recv_s: float
+    batch_rank: int | None
+    event: BlockStored
+
+
+@dataclass(slots=True)
+class _StreamState:
+    target: StreamTarget
+    subscriber: EventSubscriber
+    monitor: zmq.Socket[bytes]
+    joined_s: float | None = None
+    batches: int = 0
+    unknown_parents: list[object] = field(default_factory=list)
+    resyncs: int = 0
+    restarts: int = 0
+
+
+class Watcher:
+    """Follows ``targets`` in a background thread until :meth:`close`."""
+
+    def __init__(self, targets: Sequence[StreamTarget]) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._lock = threading.Condition()
+        self._index = KvIndex()
+        self._seen: list[Seen] = []
+        self._streams: dict[str, _StreamState] = {}
+        self._stop = False
+        try:
+            for t in targets:
+                sub = EventSubscriber(t.name, t.events, replay_endpoint=t.replay, topic=t.topic,
+                                      context=self._ctx)
+                monitor = sub.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED)
+                self._streams[t.name] = _StreamState(t, sub, monitor)
+        except Exception:
+            self._close_sockets()
+            raise
+        self._thread = threading.Thread(target=self._run, name="doctor-watcher", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ queries (any thread)
+
+    def wait(self, predicate: Callable[[], T], timeout_s: float) -> T:
+        """Wait until ``predicate()`` (called under the lock) is truthy, or the timeout; its last value."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                value = predicate()
+                left = deadline - time.monotonic()
+                if value or left <= 0:
+                    return value
+                self._lock.wait(min(left, 0.05))
+
+    def joined(self, stream: str) -> bool:
+        st = self._streams[stream]
+        return st.joined_s is not None and time.monotonic() - st.joined_s >= SUBSCRIBE_GRACE_S
+
+    def stored(self, streams: Sequence[str], since_s: float) -> list[Seen]:
+        """BlockStored events of ``streams`` received at or after ``since_s``."""
+        names = set(streams)
+        with self._lock:
+            return [s for s in self._seen if s.stream in names and s.recv_s >= since_s]
+
+    def batches(self, stream: str) -> int:
+        with self._lock:
+            return self._streams[stream].batches
+
+    def unknown_parents(self, stream: str) -> list[object]:
+        with self._lock:
+            return list(self._streams[stream].unknown_parents)
+
+    def match(self, token_ids: list[int]) -> MatchDetail:
+        """The router's index over everything received: its match for ``token_ids``."""
+        with self._lock:
+            return self._index.match_detail(token_ids)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        poller_cache: tuple[tuple[int, ...], zmq.Poller] | None = None
+        while not self._stop:
+            sockets: list[zmq.Socket[bytes]] = []
+            for st in self._streams.values():
+                sockets.append(st.monitor)
+                sockets.extend(st.subscriber.poll_sockets())
+            key = tuple(id(s) for s in sockets)
+            if poller_cache is None or poller_cache[0] != key:
+                poller = zmq.Poller()
+                for s in sockets:
+                    poller.register(s, zmq.POLLIN)
+                poller_cache = (key, poller)
+            try:
+                ready = dict(poller_cache[1].poll(_POLL_MS))
+            except zmq.ZMQError:
+                if self._stop:
+                    return
+                raise
+            for st in self._streams.values():
+                if st.monitor in ready:
+                    self._on_monitor(st)
+                try:
+                    items = st.subscriber.process_ready()
+                except zmq.ZMQError:
+                    if self._stop:
+                        return
+                    raise
+                if items:
+                    self._on_items(st, items)
+
+    def _on_monitor(self, st: _StreamState) -> None:
+        while st.monitor.poll(0):
+            event = recv_monitor_message(st.monitor)
+            if event["event"] in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_CONNECTED) and st.joined_s is None:
+                with self._lock:
+                    st.joined_s = time.monotonic()
+                    self._lock.notify_all()
+
+    def _on_items(self, st: _StreamState, items: Sequence[object]) -> None:
+        now = time.monotonic()
+        name = st.target.name
+        with self._lock:
+            for item in items:
+                if isinstance(item, BatchReceived):
+                    st.batches += 1
+                    for ev in item.batch.events:
+                        if isinstance(ev, BlockStored):
+                            self._seen.append(Seen(name, now, item.batch.data_parallel_rank, ev))
+                    try:
+                        self._index.apply(name, item.batch)
+                    except TokenspeedError as err:  # an unknown parent: the router would resync here
+                        parent = getattr(err, "parent_hash", None)
+                        st.unknown_parents.append(parent)
+                        logger.debug("doctor: %s: %s", name, err)
+                elif isinstance(item, PublisherRestarted):
+                    st.restarts += 1
+                    self._index.clear_worker(name)
+                elif isinstance(item, ResyncNeeded):
+                    st.resyncs += 1
+                    self._index.clear_worker(name)
+            self._lock.notify_all()
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(timeout=5.0)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for st in self._streams.values():
+            try:
+                st.subscriber.socket.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            st.monitor.close(linger=0)
+            st.subscriber.close()
+        self._ctx.term()
+
+    def __enter__(self) -> Watcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
