@@ -423,8 +423,8 @@ def _difference(got: list[int], want: list[int], prompt_tokens: int | None) -> s
         if prompt_tokens is not None and prompt_tokens != len(want):
             return f"the engine counts {prompt_tokens} prompt tokens, the router {len(want)}"
         return None if prompt_tokens is not None else "no events and no usage to compare with"
-    for k in range(1, 9):
-        if want[k : k + len(got)] == got:
+    for k in range(1, min(9, len(got))):  # a shift must leave tokens to compare
+        if len(want) >= k + len(got) and want[k : k + len(got)] == got:
             return (f"the router's token ids start with {k} token(s) the engine does not cache "
                     f"({want[:k]}), so every block is shifted")
         if got[k:] == want[: len(got) - k]:
