@@ -157,6 +157,10 @@ class _EngineRun:
             await self._run_probes(a, ab, joined)
             await self._tokens_check(tokenize_problem)
         except EngineApiError as err:
+            if not joined and "events" not in self.checks:
+                where = ", ".join(s.events for s in self.t.streams)
+                self.checks["events"] = Check.failed(
+                    "events", f"could not connect to {where} within {self.options.timeout_s:g} s", "not_connected")
             for name in CHECK_NAMES:
                 self.checks.setdefault(name, Check.failed(name, f"not run: {err}", "engine_api"))
         self._spec_check()
