@@ -234,7 +234,6 @@ class _EngineRun:
             self.checks["events"] = Check.passed(
                 "events", f"BlockStored for {len(probe.block_ids)} blocks arrived {lag * 1000:.0f} ms after the "
                 f"answer ({since_sent * 1000:.0f} ms after sending)")
-        self.event_lag_s = lag
 
     def _usage_check(self, first: Answer, second: Answer) -> None:
         if second.cached_tokens is None:
