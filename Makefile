@@ -11,7 +11,7 @@ TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 .PHONY: install demo test lint bench clean
 
 # setup.py builds the compiled index core (csrc/, machine's C compiler): editing it reinstalls.
-$(STAMP): pyproject.toml constraints-dev.txt setup.py csrc/native.c
+$(STAMP): pyproject.toml constraints-dev.txt setup.py $(wildcard csrc/*.c csrc/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=23"
 	@# A local wheel first (pip find-links, offline mirrors), else PyTorch's CPU index.

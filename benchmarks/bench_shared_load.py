@@ -1,9 +1,9 @@
-"""Two router replicas vs one, same trace: what shared in-flight load buys.
+"""Router replicas vs one router, same trace: what sharing in-flight work buys.
 
 Run::
 
     .venv/bin/python benchmarks/bench_shared_load.py                 # 2,000 requests, 2 and 4 replicas
-    .venv/bin/python benchmarks/bench_shared_load.py --requests 500 --json out.json
+    .venv/bin/python benchmarks/bench_shared_load.py --trace conversation --requests 400 --json out.json
 
 The simulator (``tokenspeed_router.sim``: real ``PrefixCache`` workers with
 bounded caches and eviction, a FIFO prefill queue each, virtual time) replays
@@ -11,17 +11,22 @@ a Mooncake trace through several routing set-ups:
 
 * **one router** — the reference: one ``Router`` sees every request;
 * **N replicas, not shared** — requests split round-robin over N routers
-  (as an L4 load balancer in front of N gateways would); each sees every KV
-  event but only its own in-flight load;
-* **N replicas, shared** — the same, with each replica's ``SharedLoad``
-  syncing through a real ``redis-server`` (the production code path,
-  ``state/load.py``), synced the way the live ``state-load`` thread does,
-  on the trace's clock: a replica whose load changed (route, first token,
-  finish) syncs once 5 ms (``load_min_interval_s``) have passed since its
-  last sync; a replica about to route re-reads when its view is older than
-  ``--staleness-ms``: 0 (the best sharing can do), 5 ms (a replica busy
-  routing: its own changes keep it fresh) and 55 ms (the live bound for a
-  replica that was idle: ``load_refresh_s`` + ``load_min_interval_s``).
+  (as an L4 load balancer in front of N gateways would, request by
+  request); each sees every KV event (active-active ingestion) but only its
+  own in-flight work;
+* **N replicas, load only** — each replica's real ``SharedLoad``
+  (``state/load.py``) exchanges load totals, not route predictions;
+* **N replicas, shared** — load totals and route predictions (the
+  production default).
+
+The replicas (``sim/replicas.py``, also behind ``simulate --replicas N``)
+exchange the production messages (``SharedLoad.sync_now`` encodes,
+``receive_now`` decodes and folds them into the peer view and the router's
+predictions), carried by an in-memory bus on the trace's clock that delivers
+each message ``--delay-ms`` after it was sent: 0 (the best sharing
+can do), 2 ms (about Redis Pub/Sub's median on loopback plus the live
+thread's 1 ms coalescing) and 15 ms (its tail; ``benchmarks/bench_flight.py``
+measures both transports). A replica publishes on every change of its work.
 
 Figures: TTFT p50/p99/mean, cache hit ratio and load imbalance (busiest
 worker's prefill time over the mean), per set-up, from the simulator's own
@@ -40,96 +45,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from harness import RedisServer, data_dir
+from harness import data_dir
 
-from tokenspeed_router.events.schema import Event
 from tokenspeed_router.router.router import Router, RouterConfig
 from tokenspeed_router.router.scoring import WorkerLoad
-from tokenspeed_router.sim.cluster import ClusterConfig, RouteChoice, Simulator
+from tokenspeed_router.sim.cluster import ClusterConfig, Simulator
 from tokenspeed_router.sim.policies import RouterBackend
+from tokenspeed_router.sim.replicas import ReplicaSet
 from tokenspeed_router.sim.report import policy_metrics
-from tokenspeed_router.sim.traces import TraceRequest, TraceWindow, load_mooncake
-from tokenspeed_router.state.config import RedisStateConfig
-from tokenspeed_router.state.load import SharedLoad
-
-
-class ReplicaSet:
-    """N real Routers behind a round-robin split, optionally sharing load through Redis."""
-
-    needs_events = True
-
-    def __init__(self, n: int, cluster: ClusterConfig, sim: Simulator, *, redis_url: str | None,
-                 staleness_s: float, run_id: str) -> None:
-        self.reps = [RouterBackend("kv_aware", cluster, sim) for _ in range(n)]
-        self.sim = sim
-        self.staleness_s = staleness_s
-        self.min_interval_s = min(staleness_s, 0.005)
-        self.dirty = [False] * n
-        self.owner: dict[str, int] = {}
-        self.turn = 0
-        self.shared: list[SharedLoad] = []
-        self.last_sync = [-1e18] * n
-        self.syncs = 0
-        if redis_url is not None:
-            for i, rep in enumerate(self.reps):
-                config = RedisStateConfig(url=redis_url, cluster=run_id, replica_id=f"r{i}",
-                                          load_ttl_s=60.0, load_refresh_s=1.0)
-                shared = SharedLoad(config, rep.router.load)  # synced on the virtual clock below
-                rep.router.set_peer_load(shared)
-                self.shared.append(shared)
-        kind = "shared" if redis_url is not None else "not shared"
-        self.name = f"{n} replicas, {kind}" + (f" ({staleness_s * 1000:g} ms)" if self.shared else "")
-
-    def _sync(self, i: int, now: float) -> None:
-        self.shared[i].sync_now()
-        self.last_sync[i] = now
-        self.dirty[i] = False
-        self.syncs += 1
-
-    def _publish_due(self) -> None:
-        """As the live ``state-load`` threads do: a replica whose load changed syncs once
-        ``load_min_interval_s`` has passed since its last sync (``min_interval_s`` here)."""
-        now = self.sim.now()
-        for j in range(len(self.shared)):
-            if self.dirty[j] and now - self.last_sync[j] >= self.min_interval_s:
-                self._sync(j, now)
-
-    def _changed(self, i: int) -> None:
-        if self.shared:
-            self.dirty[i] = True
-            self._publish_due()
-
-    def route(self, request: TraceRequest, tokens: np.ndarray) -> RouteChoice:
-        i = self.turn % len(self.reps)
-        self.turn += 1
-        if self.shared:
-            self._publish_due()
-            now = self.sim.now()
-            if now - self.last_sync[i] >= self.staleness_s:  # the reader's view is too old
-                self._sync(i, now)
-        self.owner[request.request_id] = i
-        choice = self.reps[i].route(request, tokens)
-        self._changed(i)
-        return choice
-
-    def deliver(self, worker: str, seq: int, events: list[Event], now: float) -> None:
-        for rep in self.reps:  # every replica's index follows every engine
-            rep.deliver(worker, seq, events, now)
-
-    def prefill_done(self, request_id: str, now: float) -> None:
-        i = self.owner[request_id]
-        self.reps[i].prefill_done(request_id, now)
-        self._changed(i)
-
-    def finished(self, request_id: str, now: float) -> None:
-        i = self.owner.pop(request_id)
-        self.reps[i].finished(request_id, now)
-        self._changed(i)
-
-    def close(self) -> None:
-        for s in self.shared:
-            s.close()
+from tokenspeed_router.sim.traces import TraceWindow, load_mooncake
 
 
 class _StaticPeers:
@@ -173,37 +97,33 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     trace = data_dir("traces") / "mooncake" / f"{args.trace}_trace.jsonl"
     requests = load_mooncake(trace, TraceWindow(max_requests=args.requests, rate_scale=args.rate_scale))
     cluster = ClusterConfig(num_workers=args.workers, capacity_tokens=args.capacity_tokens, seed=1)
-    redis = RedisServer().start()
     rows: list[dict[str, Any]] = []
-    try:
-        setups: list[tuple[int, bool, float]] = [(1, False, 0.0)]
-        for n in args.replicas:
-            setups += [(n, False, 0.0), *((n, True, ms / 1000) for ms in args.staleness_ms)]
-        for k, (n, share, staleness) in enumerate(setups):
-            sim = Simulator(cluster)
-            if n == 1:
-                backend: Any = RouterBackend("kv_aware", cluster, sim)
-                backend.name = "one router"
-            else:
-                backend = ReplicaSet(n, cluster, sim, redis_url=redis.url if share else None,
-                                     staleness_s=staleness, run_id=f"bench{k}")
-            t0 = time.perf_counter()
-            result = sim.run(requests, backend)
-            result.wall_s = time.perf_counter() - t0
-            m = policy_metrics(result)
-            rows.append({
-                "setup": backend.name, "replicas": n, "shared": share,
-                "staleness_ms": staleness * 1000 if share else None,
-                "requests": m["requests"], "ttft_p50_s": round(m["ttft_p50_s"], 3),
-                "ttft_p99_s": round(m["ttft_p99_s"], 3), "ttft_mean_s": round(m["ttft_mean_s"], 3),
-                "hit_ratio": round(m["hit_ratio"], 3), "load_imbalance": round(m["load_imbalance"], 3),
-                "redis_syncs": getattr(backend, "syncs", 0), "wall_s": round(result.wall_s, 1),
-            })
-            if isinstance(backend, ReplicaSet):
-                backend.close()
-            print(f"# {rows[-1]['setup']}: {result.wall_s:.1f}s", flush=True)
-    finally:
-        redis.close()
+    setups: list[tuple[int, str | None, float]] = [(1, None, 0.0)]
+    for n in args.replicas:
+        setups += [(n, None, 0.0), (n, "load", args.delay_ms[0] / 1000)]
+        setups += [(n, "all", ms / 1000) for ms in args.delay_ms]
+    for k, (n, share, delay) in enumerate(setups):
+        sim = Simulator(cluster)
+        if n == 1:
+            backend: Any = RouterBackend("kv_aware", cluster, sim)
+            backend.name = "one router"
+        else:
+            backend = ReplicaSet(n, cluster, sim, share=share, delay_s=delay, run_id=f"bench{k}")
+        t0 = time.perf_counter()
+        result = sim.run(requests, backend)
+        result.wall_s = time.perf_counter() - t0
+        m = policy_metrics(result)
+        rows.append({
+            "setup": backend.name, "replicas": n, "shared": share,
+            "delay_ms": delay * 1000 if share else None,
+            "requests": m["requests"], "ttft_p50_s": round(m["ttft_p50_s"], 3),
+            "ttft_p99_s": round(m["ttft_p99_s"], 3), "ttft_mean_s": round(m["ttft_mean_s"], 3),
+            "hit_ratio": round(m["hit_ratio"], 4), "load_imbalance": round(m["load_imbalance"], 3),
+            "messages": getattr(backend, "syncs", 0), "wall_s": round(result.wall_s, 1),
+        })
+        if isinstance(backend, ReplicaSet):
+            backend.close()
+        print(f"# {rows[-1]['setup']}: {result.wall_s:.1f}s", flush=True)
     return rows
 
 
@@ -215,15 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity-tokens", type=int, default=400_000)
     parser.add_argument("--rate-scale", type=float, default=1.0)
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--staleness-ms", type=float, nargs="+", default=[0.0, 5.0, 55.0],
-                        help="age of a replica's view of the others (trace time)")
+    parser.add_argument("--delay-ms", "--staleness-ms", type=float, nargs="+", default=[2.0, 0.0, 15.0],
+                        help="how late a replica's messages reach the others (trace time); the first "
+                        "is also used for the load-only row")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     cost = route_cost()
     print(f"# hot path: route+release {cost['route_release_us']} us, with an 8-worker peer view "
           f"{cost['with_peer_load_us']} us (x{cost['ratio']})", flush=True)
     rows = run(args)
-    cols = ["setup", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "hit_ratio", "load_imbalance", "redis_syncs"]
+    cols = ["setup", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "hit_ratio", "load_imbalance", "messages"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:

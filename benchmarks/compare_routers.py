@@ -1,13 +1,16 @@
 """Our gateway against real routers, in front of the same engine-sims (issue 12).
 
-Run: ``.venv/bin/python benchmarks/compare_routers.py [--quick] [--out DIR]``
+Run: ``.venv/bin/python benchmarks/compare_routers.py [--quick] [--runs 3] [--out DIR]``
 (peers: ``pip install vllm-router sglang-router`` into the venv; they are not
 project dependencies, and a router whose binary is missing is skipped with a
 note). See docs/compare-routers.md for what is measured and the last results.
 
 For each Mooncake trace (a time-scaled slice of both files in
-``../shared/traces/mooncake``), each scenario and each router, on a *fresh*
-fleet of engine-sims (cold caches, same seeds):
+``../shared/traces/mooncake``), each scenario, each engine timing profile
+(``--timing``: ``fifo``, one prefill at a time with a fixed overhead, decode
+without contention; ``chunked``, vLLM-style chunked prefill) and each router,
+``--runs`` times (default 3) on a *fresh* fleet of engine-sims (cold caches,
+same seeds); each cell reports the median and the min-max of its runs:
 
 * ``pressure`` — small caches: blocks are evicted all the time, so a router
   must know what is still cached, not what it once sent;
@@ -36,6 +39,7 @@ import argparse
 import json
 import logging
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -55,7 +59,7 @@ from tokenspeed_router.loadgen.fleet import (
     exit_on_sigterm,
 )
 from tokenspeed_router.loadgen.prompts import PromptBuilder, PromptConfig, scale_prompts
-from tokenspeed_router.loadgen.replay import ReplayConfig, replay
+from tokenspeed_router.loadgen.replay import ReplayConfig, replay, warm_up
 from tokenspeed_router.loadgen.report import (
     format_runs_table,
     summarize,
@@ -73,6 +77,12 @@ from tokenspeed_router.sim.traces import (
 logger = logging.getLogger("compare_routers")
 
 SCENARIOS = ("pressure", "restart", "replicas")
+#: the grid of issue 20: both traces x these scenarios x both timing profiles
+DEFAULT_SCENARIOS = ("pressure", "restart")
+PROFILES = ("fifo", "chunked")
+#: the metrics a cell summarises over its runs (median, min, max)
+CELL_METRICS = ("ttft_p50_s", "ttft_p99_s", "hit_ratio", "spread_max_over_mean", "router_added_p50_s",
+                "router_added_p99_s", "errors")
 NUM_ENGINES = 4
 PROMPT_SCALE = 0.125
 MAX_OUTPUT_TOKENS = 64
@@ -137,13 +147,17 @@ class RouterKind:
     prompt_format: str
     start: Launcher
     available: Callable[[], str | None]  # None = available, else why not
+    #: no router at all: the load generator spreads requests over the engines itself
+    direct: bool = False
 
 
-def _ours(policy: str) -> Launcher:
+def _ours(policy: str, processes: int = 1) -> Launcher:
     def start(ctx: RunContext, engines: Sequence[EngineHandle]) -> str:
         # Our time constants follow the engines' clock (see clock_scaled_router_flags);
         # the peers run with their defaults (no comparable time-based memory).
         extra = clock_scaled_router_flags(ctx.time_scale) + (["--state", ctx.redis] if ctx.redis else [])
+        if processes > 1:  # serve --processes N: N processes on one port (a private Redis without --state)
+            extra += ["--processes", str(processes)]
         for option in ctx.router_options:
             extra += ["--router-option", option]
         return ctx.fleet.start_gateway(f"tokenspeed-{policy}-{ctx.replica}", engines, policy=policy,
@@ -189,6 +203,10 @@ ROUTERS = {
     "vllm-router": RouterKind("vllm-router", "tokens", _vllm_router, _needs("vllm-router")),
     "sglang-router": RouterKind("sglang-router", "text", _sglang_router, _needs("smg")),
     "round_robin": RouterKind("round_robin", "tokens", _ours("round_robin"), lambda: None),
+    # the floor of every router-added latency: loadgen -> engine over HTTP, round robin
+    "direct": RouterKind("direct", "tokens", lambda ctx, engines: "", lambda: None, direct=True),
+    # two gateway processes on one port (serve --processes 2), sharing in-flight work
+    "tokenspeed-p2": RouterKind("tokenspeed-p2", "tokens", _ours("kv_aware", processes=2), lambda: None),
 }
 
 
@@ -214,11 +232,28 @@ def _redis(fleet: Fleet) -> str:
         pause.wait(0.05)
 
 
+def engine_options(time_scale: float, timing: str) -> EngineSimOptions:
+    """The engines of every cell: 12.5k-token caches (100k full-size), 2.5k tok/s (20k full-size)."""
+    return EngineSimOptions(capacity_tokens=12_500, prefill_tokens_per_s=2_500.0,
+                            decode_s_per_token=0.02, time_scale=time_scale, model=MODEL, timing=timing)
+
+
+def load_slice(trace: str, *, groups: int | None, speedup_factor: float) -> list[TraceRequest]:
+    """The trace's slice (``TRACES``), prompts shrunk by ``PROMPT_SCALE``, arrivals sped up."""
+    cut = TRACES[trace]
+    full = load_mooncake(_shared_traces() / cut.file)
+    return scale_prompts(sample_prefix_groups(
+        full, prefix_blocks=cut.prefix_blocks, groups=groups or cut.groups, seed=cut.seed,
+        speedup=cut.speedup * speedup_factor), PROMPT_SCALE)
+
+
 def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *, time_scale: float,
             log_dir: Path, progress: ProgressBar, python: str = sys.executable,
-            router_options: Sequence[str] = ()) -> tuple[dict[str, Any], list[RequestRecord]]:
-    engine = EngineSimOptions(capacity_tokens=12_500, prefill_tokens_per_s=2_500.0,
-                              decode_s_per_token=0.02, time_scale=time_scale, model=MODEL)
+            router_options: Sequence[str] = (), timing: str = "chunked", label: str = "",
+            inspect: Callable[[Sequence[str]], dict[str, Any]] | None = None,
+            ) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """One run of one router on a fresh fleet: its summary (and ``inspect(urls)`` before it stops)."""
+    engine = engine_options(time_scale, timing)
     opts = [engine] * NUM_ENGINES
     if scenario == "restart":
         after = max(1, len(requests) // (3 * NUM_ENGINES))
@@ -226,59 +261,113 @@ def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *
         opts[2] = replace(engine, restart_after_requests=2 * after)
     with Fleet(log_dir, python=python) as fleet:
         engines = fleet.start_engines([f"engine{i}" for i in range(NUM_ENGINES)], opts)
-        redis = _redis(fleet) if scenario == "replicas" and kind.name in ("tokenspeed", "round_robin") else None
+        ours = ("tokenspeed", "round_robin", "tokenspeed-p2")
+        redis = _redis(fleet) if scenario == "replicas" and kind.name in ours else None
         replicas = 2 if scenario == "replicas" else 1
-        urls = [kind.start(RunContext(fleet=fleet, replica=i, time_scale=time_scale, redis=redis,
-                                      router_options=tuple(router_options)), engines)
-                for i in range(replicas)]
+        if kind.direct:
+            urls = [e.url for e in engines]
+        else:
+            urls = [kind.start(RunContext(fleet=fleet, replica=i, time_scale=time_scale, redis=redis,
+                                          router_options=tuple(router_options)), engines)
+                    for i in range(replicas)]
         builder = PromptBuilder(PromptConfig(model=MODEL, prompt_format=kind.prompt_format,
                                              max_output_tokens=MAX_OUTPUT_TOKENS))
-        progress.start(f"{kind.name}/{scenario}")
-        outcome = replay(requests, builder, ReplayConfig(target=urls[0], extra_targets=tuple(urls[1:])),
-                         progress=progress)
+        target = ReplayConfig(target=urls[0], extra_targets=tuple(urls[1:]))
+        # the same few short requests before every router's run: first-request costs (lazy
+        # imports, first tensor ops, connection pools) are not what is compared
+        warm_up(target, MODEL, requests=2 * NUM_ENGINES, text=kind.prompt_format == "text")
+        progress.start(label or f"{kind.name}/{scenario}")
+        outcome = replay(requests, builder, target, progress=progress)
+        extra = inspect(urls) if inspect is not None else None
     summary = summarize(outcome.records, wall_s=outcome.wall_s, workers=[e.name for e in engines])
     summary["max_send_lateness_s"] = outcome.max_send_lateness_s
+    if extra is not None:
+        summary["inspected"] = extra
     return summary, outcome.records
 
 
-def _check_targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Issue 12 targets for our row against the best peer in the same scenario."""
-    ours = rows.get("tokenspeed")
-    peers = {k: v for k, v in rows.items() if k in ("vllm-router", "sglang-router") and v.get("ok")}
-    if not ours or not peers:
-        return {}
-
-    def best(key: str, low: bool) -> float:
-        vals = [v[key] for v in peers.values() if v.get(key) is not None]
-        return min(vals) if low else max(vals)
-
-    out = {
-        "ttft_p50": ours["ttft_p50_s"] is not None and ours["ttft_p50_s"] <= best("ttft_p50_s", True),
-        "ttft_p99": ours["ttft_p99_s"] is not None and ours["ttft_p99_s"] <= best("ttft_p99_s", True),
-        "hit": ours["hit_ratio"] is not None and ours["hit_ratio"] >= best("hit_ratio", False) - 0.01,
-    }
+def cell_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Median and min-max of each of ``CELL_METRICS`` over one router's runs of a cell."""
+    out: dict[str, Any] = {"runs": len(runs)}
+    for key in CELL_METRICS:
+        values = sorted(v for r in runs if (v := r.get(key)) is not None)
+        if not values:
+            out[key] = {"median": None, "min": None, "max": None}
+            continue
+        out[key] = {"median": statistics.median(values), "min": values[0], "max": values[-1]}
     return out
 
 
+def _check_targets(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Issue 20 targets for our medians against each peer's medians in the same cell.
+
+    TTFT p50 and p99 <= every peer's; hit >= the best peer's - 1 point; spread
+    (max/mean requests per engine) <= 1.5 unless our p99 is still the best.
+    """
+    ours = cells.get("tokenspeed")
+    peers = {k: v for k, v in cells.items() if k in ("vllm-router", "sglang-router")}
+    if not ours or not peers:
+        return {}
+
+    def med(cell: dict[str, Any], key: str) -> float | None:
+        value = cell[key]["median"]
+        return None if value is None else float(value)
+
+    def at_most_every_peer(key: str) -> bool:
+        mine = med(ours, key)
+        theirs = [v for p in peers.values() if (v := med(p, key)) is not None]
+        return mine is not None and all(mine <= v for v in theirs)
+
+    hits = [v for p in peers.values() if (v := med(p, "hit_ratio")) is not None]
+    hit = med(ours, "hit_ratio")
+    spread = med(ours, "spread_max_over_mean")
+    p99_ok = at_most_every_peer("ttft_p99_s")
+    return {
+        "ttft_p50": at_most_every_peer("ttft_p50_s"),
+        "ttft_p99": p99_ok,
+        "hit": hit is not None and (not hits or hit >= max(hits) - 0.01),
+        "spread": spread is not None and (spread <= 1.5 or p99_ok),
+    }
+
+
+def _fmt_range(cell: dict[str, Any], key: str, fmt: str) -> str:
+    m = cell[key]
+    if m["median"] is None:
+        return "-"
+    if cell["runs"] <= 1 or m["min"] == m["max"]:
+        return format(m["median"], fmt)
+    return f"{format(m['median'], fmt)} ({format(m['min'], fmt)}-{format(m['max'], fmt)})"
+
+
 def markdown_table(results: dict[str, Any]) -> str:
-    """One markdown row per trace, scenario and router (what docs/compare-routers.md shows)."""
-    lines = ["| trace | scenario | router | TTFT p50 (s) | TTFT p99 (s) | hit | spread | errors |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    """One markdown row per cell and router: medians, min-max in brackets (docs/compare-routers.md)."""
+    lines = ["| trace | scenario | engine | router | TTFT p50 (s) | TTFT p99 (s) | hit | spread "
+             "| router-added p99 (ms) | errors |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for trace, per_trace in results.items():
-        for scenario, doc in per_trace.items():
+        for scenario, per_scenario in per_trace.items():
             if scenario in ("trace_stats", "slice"):
                 continue
-            for router, m in doc["routers"].items():
-                hit = "-" if m.get("hit_ratio") is None else f"{m['hit_ratio']:.1%}"
-                p50 = "-" if m.get("ttft_p50_s") is None else f"{m['ttft_p50_s']:.3f}"
-                p99 = "-" if m.get("ttft_p99_s") is None else f"{m['ttft_p99_s']:.3f}"
-                spread = "-" if m.get("spread_max_over_mean") is None else f"{m['spread_max_over_mean']:.2f}"
-                lines.append(f"| {trace} | {scenario} | {router} | {p50} | {p99} | {hit} | {spread} "
-                             f"| {m.get('errors', 0)} |")
-            met = doc.get("targets_met")
-            if met:
-                lines.append(f"| {trace} | {scenario} | *targets met* | {'yes' if met['ttft_p50'] else 'no'} "
-                             f"| {'yes' if met['ttft_p99'] else 'no'} | {'yes' if met['hit'] else 'no'} | | |")
+            for profile, doc in per_scenario.items():
+                for router, cell in doc["routers"].items():
+                    added = cell["router_added_p99_s"]
+                    added_txt = "-" if added["median"] is None else (
+                        f"{added['median'] * 1000:.0f}" + ("" if cell["runs"] <= 1 else
+                                                           f" ({added['min'] * 1000:.0f}-{added['max'] * 1000:.0f})"))
+                    hit = cell["hit_ratio"]
+                    hit_txt = "-" if hit["median"] is None else (
+                        f"{hit['median']:.1%}" + ("" if cell["runs"] <= 1 else
+                                                  f" ({hit['min']:.1%}-{hit['max']:.1%})"))
+                    lines.append(
+                        f"| {trace} | {scenario} | {profile} | {router} | {_fmt_range(cell, 'ttft_p50_s', '.3f')} "
+                        f"| {_fmt_range(cell, 'ttft_p99_s', '.3f')} | {hit_txt} "
+                        f"| {_fmt_range(cell, 'spread_max_over_mean', '.2f')} | {added_txt} "
+                        f"| {_fmt_range(cell, 'errors', '.0f')} |")
+                met = doc.get("targets_met")
+                if met:
+                    yn = {k: "yes" if v else "no" for k, v in met.items()}
+                    lines.append(f"| {trace} | {scenario} | {profile} | *targets met* | {yn['ttft_p50']} "
+                                 f"| {yn['ttft_p99']} | {yn['hit']} | {yn['spread']} | | |")
     return "\n".join(lines)
 
 
@@ -286,14 +375,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/compare_routers"))
     parser.add_argument("--traces", default=",".join(TRACES), help="comma-separated: " + ",".join(TRACES))
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
+                        help="comma-separated of " + ",".join(SCENARIOS))
+    parser.add_argument("--timing", default=",".join(PROFILES),
+                        help="engine timing profiles, comma-separated of " + ",".join(PROFILES))
+    parser.add_argument("--runs", type=int, default=3, help="runs per cell (median and min-max; default 3)")
     parser.add_argument("--routers", default="tokenspeed,vllm-router,sglang-router")
     parser.add_argument("--baseline", action="store_true", help="also our round_robin")
     parser.add_argument("--groups", type=int, default=None,
                         help="prefix groups per trace slice (default: the slice's, 60)")
     parser.add_argument("--time-scale", type=float, default=4.0,
                         help="modelled seconds per wall second (engines and arrivals; default 4)")
-    parser.add_argument("--quick", action="store_true", help="12 groups, one scenario (smoke run)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 12 groups, one run, pressure, fifo (minutes, not hours)")
     parser.add_argument("--router-option", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to our gateway (serve --router-option), for experiments")
     parser.add_argument("--python", default=sys.executable,
@@ -302,7 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     exit_on_sigterm()
     groups = 12 if args.quick else args.groups
+    runs = 1 if args.quick else max(1, args.runs)
     scenarios = ["pressure"] if args.quick else [s for s in args.scenarios.split(",") if s]
+    profiles = ["fifo"] if args.quick else [p for p in args.timing.split(",") if p]
     names = [r for r in args.routers.split(",") if r] + (["round_robin"] if args.baseline else [])
     kinds = []
     for name in names:
@@ -312,9 +408,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"skipping {name}: {why}", file=sys.stderr)
         else:
             kinds.append(kind)
-    traces_dir = _shared_traces()
-    out: dict[str, Any] = {"config": {"groups": groups, "time_scale": args.time_scale,
-                                      "router_options": args.router_option,
+    out: dict[str, Any] = {"config": {"groups": groups, "time_scale": args.time_scale, "runs": runs,
+                                      "router_options": args.router_option, "profiles": profiles,
                                       "engines": NUM_ENGINES, "prompt_scale": PROMPT_SCALE,
                                       "max_output_tokens": MAX_OUTPUT_TOKENS,
                                       "engine": "capacity 12.5k tokens (100k full-size), prefill 2.5k tok/s "
@@ -323,36 +418,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_root = Path(tempfile.mkdtemp(prefix="compare-routers-"))
     bar = ProgressBar()
     tables = []
+    started = time.monotonic()
     for trace in [t for t in args.traces.split(",") if t]:
-        cut = TRACES[trace]
-        full = load_mooncake(traces_dir / cut.file)
-        requests = scale_prompts(sample_prefix_groups(
-            full, prefix_blocks=cut.prefix_blocks, groups=groups or cut.groups, seed=cut.seed,
-            speedup=cut.speedup * args.time_scale), PROMPT_SCALE)
+        requests = load_slice(trace, groups=groups, speedup_factor=args.time_scale)
         stats = trace_summary(requests)
-        out["results"].setdefault(trace, {"trace_stats": stats, "slice": asdict(cut)})
+        out["results"].setdefault(trace, {"trace_stats": stats, "slice": asdict(TRACES[trace])})
         for scenario in scenarios:
-            rows: dict[str, dict[str, Any]] = {}
-            records: dict[str, list[RequestRecord]] = {}
-            for kind in kinds:
-                rows[kind.name], records[kind.name] = run_one(
-                    kind, scenario, requests, time_scale=args.time_scale,
-                    log_dir=log_root / trace / scenario / kind.name, progress=bar,
-                    python=args.python, router_options=args.router_option)
-            targets = _check_targets(rows)
-            out["results"][trace][scenario] = {"routers": rows, "targets_met": targets}
-            table = format_runs_table(rows, label=f"{trace}/{scenario}")
-            tables.append(table + (f"\ntargets met: {targets}" if targets else ""))
-            print("\n" + tables[-1], flush=True)
-            write_results(out, args.out)  # after every scenario: a long run killed keeps what it measured
-            write_plots(records, args.out, title=f"{trace} / {scenario}",
-                        workers=[f"engine{i}" for i in range(NUM_ENGINES)], name=f"{trace}-{scenario}.png")
+            for profile in profiles:
+                per_run: dict[str, list[dict[str, Any]]] = {k.name: [] for k in kinds}
+                records: dict[str, list[RequestRecord]] = {}
+                # runs interleave the routers (run 1 of each, then run 2, ...): slow drift of the
+                # machine's load then spreads over every router instead of one
+                for run in range(runs):
+                    for kind in kinds:
+                        summary, recs = run_one(
+                            kind, scenario, requests, time_scale=args.time_scale,
+                            log_dir=log_root / trace / scenario / profile / f"{kind.name}-{run}",
+                            progress=bar, python=args.python, router_options=args.router_option,
+                            timing=profile, label=f"{kind.name}/{scenario}/{profile}#{run + 1}")
+                        per_run[kind.name].append(summary)
+                        records[kind.name] = recs
+                cells = {name: cell_summary(rs) for name, rs in per_run.items()}
+                for name, cell in cells.items():
+                    cell["each_run"] = per_run[name]
+                targets = _check_targets(cells)
+                out["results"][trace].setdefault(scenario, {})[profile] = {"routers": cells,
+                                                                          "targets_met": targets}
+                medians = {name: {k: cell[k]["median"] for k in CELL_METRICS} for name, cell in cells.items()}
+                table = format_runs_table(medians, label=f"{trace}/{scenario}/{profile} (median of {runs})")
+                tables.append(table + (f"\ntargets met: {targets}" if targets else ""))
+                print("\n" + tables[-1], flush=True)
+                out["wall_s"] = time.monotonic() - started
+                write_results(out, args.out)  # after every cell: a long run killed keeps what it measured
+                write_plots(records, args.out, title=f"{trace} / {scenario} / {profile} (last run)",
+                            workers=[f"engine{i}" for i in range(NUM_ENGINES)],
+                            name=f"{trace}-{scenario}-{profile}.png")
+    out["wall_s"] = time.monotonic() - started
     path = write_results(out, args.out)
     print("\n\n".join(tables))
     print("\n" + markdown_table(out["results"]))
-    print(f"\nresults: {path}\nlogs: {log_root}")
-    print(json.dumps({t: {s: v.get("targets_met") for s, v in r.items() if s not in ("trace_stats", "slice")}
-                      for t, r in out["results"].items()}))
+    print(f"\nresults: {path} (wall {out['wall_s']:.0f} s)\nlogs: {log_root}")
+    print(json.dumps({t: {s: {p: d.get("targets_met") for p, d in v.items()} for s, v in r.items()
+                          if s not in ("trace_stats", "slice")} for t, r in out["results"].items()}))
     return 0
 
 

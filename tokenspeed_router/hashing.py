@@ -38,7 +38,7 @@ import xxhash
 
 from tokenspeed_router.errors import WireError
 
-try:  # the compiled hash (csrc/native.c), bit-identical to the definition below
+try:  # the compiled hash (csrc/hashing.c), bit-identical to the definition below
     from tokenspeed_router._native import hash_blocks as _native_hash_blocks
 except ImportError:
     _native_hash_blocks = None  # type: ignore[assignment]

@@ -100,6 +100,26 @@ def test_stream_usage_kept_when_the_client_asks_and_chat_streams(gw: Gateway) ->
     assert deltas[0].get("role") == "assistant" and sum(1 for d in deltas if d.get("content")) == 3
 
 
+def test_a_prefill_counts_as_load_until_its_first_token_not_the_role_chunk(tmp_path: Path) -> None:
+    # FIFO engine prefilling 200 tokens/s: a 400-token prompt takes 2 s, during which the
+    # chat stream has already sent its role chunk (vLLM and engine-sim send it at once)
+    engine = ["--timing", "fifo", "--prefill-tokens-per-s", "200", "--decode-s-per-token", "0.01"]
+    with Gateway(tmp_path, [engine]) as gw, httpx.Client(base_url=gw.serve.url, timeout=30.0) as client, \
+            client.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": " ".join(str(i) for i in range(400))}],
+                "max_tokens": 2, "stream": True}) as resp:
+        events = sse_events(resp.iter_lines())
+        first = next(e for e in events if isinstance(e, dict))
+        assert first["choices"][0]["delta"].get("role") == "assistant"
+        row = gw.workers()["w0"]
+        assert row["in_flight"] == 1 and row["queued_prefill_tokens"] > 300  # still queued load
+        token = next(e for e in events if isinstance(e, dict) and e["choices"] and e["choices"][0]["delta"].get("content"))
+        assert token
+        wait_until(lambda: gw.workers()["w0"]["queued_prefill_tokens"] == 0, 10, interval_s=0.02,
+                   what="the first token to end the prefill's load")
+        assert gw.workers()["w0"]["in_flight"] in (0, 1)
+
+
 def test_client_disconnect_mid_stream_releases_the_request(gw: Gateway) -> None:
     aborted_before = {w: gw.engine_of(w).metrics().get("tokenspeed_engine_sim_aborted_requests_total", 0.0)
                       for w in ("w0", "w1")}

@@ -309,7 +309,16 @@ def test_network_blip_on_a_wrapped_relay_is_not_a_restart(ctx: Ctx) -> None:
     try:
         handshake(engine, relay)
         view = RouterView(ctx, relay.relay.endpoint, relay.relay.replay_endpoint)
-        view.wait_seq(relay.last_seq, each=engine.probe)
+
+        def follows_live() -> bool:  # a live batch reached it: its SUB is connected
+            engine.probe()
+            relay.wait_engine_seq(engine.last_seq)
+            view.pump(0.05)
+            stats = view.sub.statistics()
+            return view.sub.last_seq == relay.last_seq and stats.delivered > stats.replayed
+
+        wait_until(follows_live, 15, interval_s=0.0, what="the router to follow the relay live")
+        # It applies the workload's batches as they are relayed; then the relay's ring wraps.
         prompts = workload(seed=8, n=40)
         engine.run(prompts)
         relay.wait_engine_seq(engine.last_seq)

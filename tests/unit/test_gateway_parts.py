@@ -99,6 +99,25 @@ def test_relay_forwards_whole_events_as_they_complete() -> None:
     assert relay.events == 2 and relay.flush() == b""
 
 
+def test_relay_sees_the_first_generated_token_not_the_role_chunk() -> None:
+    # a chat stream opens with the role chunk, sent before the engine prefills
+    chat = SseRelay(strip_usage=False)
+    role = b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
+    assert chat.feed(role) == role and not chat.generated
+    assert not chat.feed(b'data: {"choices": [{"delta": {"content": "hi"}}]}')  # held: incomplete
+    assert not chat.generated
+    chat.feed(b"\n\n")
+    assert chat.generated
+    completion = SseRelay(strip_usage=False)
+    completion.feed(b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n')
+    assert completion.generated
+    for first in (b'data: {"choices": [{"text": "", "finish_reason": "length"}]}\n\n',
+                  b'data: {"error": {"message": "boom"}}\n\n', b"data: [DONE]\n\n", b"data: not json\n\n"):
+        relay = SseRelay(strip_usage=False)
+        relay.feed(first)
+        assert relay.generated, first  # the end, an error or an unknown shape: nothing more to prefill
+
+
 def test_relay_strips_usage_the_client_did_not_ask_for() -> None:
     relay = SseRelay(strip_usage=True)
     stream = b'data: {"choices": [{"text": "a"}]}\n\n' + _usage_chunk(32) + b"data: [DONE]\n\n"

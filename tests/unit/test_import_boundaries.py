@@ -3,7 +3,8 @@
 The layer order (DESIGN §2, issue 16) is, bottom to top::
 
     0  the root modules: errors, percentiles, the compiled core, and the neutral
-       plumbing every front shares (asgi, auth, process, ratelimit)
+       plumbing every front shares (asgi, auth, process, ratelimit), and the engine
+       model that simulate and engine-sim share (timing, engine_model)
     1  events, hashing, endpoints          (wire format, content hash, addresses)
     2  cache, router                       (worker-side cache, global index)
     3  server, state, gateway, relay, sim, engine_sim, loadgen, bench   (the parts)
@@ -32,7 +33,7 @@ ROOT = Path(tokenspeed_router.__file__).parent
 
 LAYERS: dict[str, int] = {
     "": 0, "errors": 0, "percentiles": 0, "_native": 0,
-    "asgi": 0, "auth": 0, "process": 0, "ratelimit": 0,
+    "asgi": 0, "auth": 0, "process": 0, "ratelimit": 0, "timing": 0, "engine_model": 0,
     "events": 1, "hashing": 1, "endpoints": 1,
     "cache": 2, "router": 2,
     "server": 3, "state": 3, "gateway": 3, "relay": 3, "sim": 3, "engine_sim": 3, "loadgen": 3,

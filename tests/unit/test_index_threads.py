@@ -1,4 +1,4 @@
-"""The native index under its threading contract: one writer, readers on other threads.
+"""The index under its threading contract, on both cores: one writer, readers on other threads.
 
 Readers (list and numpy queries, long enough to run without the GIL) run
 while a writer applies stores, removals, clears and worker changes; every
@@ -22,15 +22,16 @@ from tokenspeed_router.events.schema import (
 )
 from tokenspeed_router.router.index import NATIVE_AVAILABLE, KvIndex
 
-pytestmark = pytest.mark.skipif(not NATIVE_AVAILABLE, reason="the native core is not built")
+CORES = ["native", "reference"] if NATIVE_AVAILABLE else ["reference"]
 
 BS = 16
 CHAIN = 300  # blocks: 4,800 tokens, past the GIL-free threshold
 TOKENS = list(range(7, 7 + CHAIN * BS))
 
 
-def test_readers_run_while_one_writer_applies() -> None:
-    index = KvIndex(core="native")
+@pytest.mark.parametrize("core", CORES)
+def test_readers_run_while_one_writer_applies(core: str) -> None:
+    index = KvIndex(core=core)
     ids = list(range(1, CHAIN + 1))
     stop = threading.Event()
     errors: list[BaseException] = []

@@ -9,6 +9,7 @@ import pytest
 
 from tokenspeed_router.loadgen import RequestRecord, format_runs_table, summarize
 from tokenspeed_router.loadgen.report import write_plots
+from tokenspeed_router.percentiles import percentile
 from tokenspeed_router.sim.report import write_results
 from tokenspeed_router.sim.runner import ProgressBar
 
@@ -50,6 +51,19 @@ def test_summary_metrics() -> None:
     assert starved["spread_max_over_mean"] == pytest.approx(6 / (11 / 3))
     table = format_runs_table({"kv_aware": m})
     assert "kv_aware" in table and "50.0%" in table
+
+
+def test_router_added_latency_is_client_minus_engine_ttft() -> None:
+    recs = [_rec(i, ttft=0.1 + 0.001 * i, worker="w0") for i in range(100)]
+    for r in recs[:99]:
+        r.engine_ttft_s = 0.1  # the engine's own share; the last one did not report it
+    m = summarize(recs, wall_s=1.0)
+    assert m["router_added_reported"] == 99
+    assert m["router_added_p50_s"] == pytest.approx(0.049)
+    assert m["router_added_p99_s"] == pytest.approx(percentile([0.001 * i for i in range(99)], 99))
+    assert m["router_added_max_s"] == pytest.approx(0.098)
+    assert recs[99].router_added_s is None and recs[0].as_dict()["router_added_s"] == pytest.approx(0.0)
+    assert f"{m['router_added_p99_s']:.3f}" in format_runs_table({"gw": m})
 
 
 def test_summary_without_usage_or_successes() -> None:

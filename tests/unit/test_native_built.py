@@ -18,7 +18,7 @@ def test_native_core_is_built_and_used_by_default() -> None:
     if os.environ.get("TOKENSPEED_ROUTER_ALLOW_NO_NATIVE") == "1":
         return
     assert NATIVE_AVAILABLE, (
-        "the compiled index core did not build (setup.py, csrc/native.c): "
+        "the compiled index core did not build (setup.py, csrc/): "
         "reinstall with `make clean install` and read the compiler output"
     )
     if os.environ.get("TOKENSPEED_ROUTER_INDEX", "") != "reference":

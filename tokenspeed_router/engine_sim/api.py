@@ -6,7 +6,8 @@ Routes (Starlette): ``POST /v1/completions``, ``POST /v1/chat/completions``
 usage), ``POST /tokenize``, ``POST /v1/completions/render``,
 ``POST /v1/chat/completions/render``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``. Shapes follow vLLM's: ``usage.prompt_tokens_details.
-cached_tokens`` is the engine's real prefix-cache hit; ``system_fingerprint``
+cached_tokens`` is the engine's real prefix-cache hit; ``usage.engine_timing``
+(not vLLM's) is the engine's own TTFT, wall and modelled; ``system_fingerprint``
 and the ``x-engine-id`` header name the engine that served the request, so a
 load generator can see the spread behind any router. Errors use OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``.
@@ -259,6 +260,7 @@ class EngineSimApp:
             "completion_tokens": sim.num_output,
             "total_tokens": len(sim.prompt) + sim.num_output,
             "prompt_tokens_details": {"cached_tokens": sim.cached_tokens},
+            "engine_timing": _engine_timing(sim),
         }
         if not self.report_cached_tokens:
             usage["prompt_tokens_details"] = None
@@ -451,6 +453,19 @@ class _EngineCollector(Collector):
             for name, doc, counter, value in rows:
                 fam(name, doc, counter).add_metric(lv, float(value))
         return list(families.values())
+
+
+def _engine_timing(sim: SimRequest) -> dict[str, Any]:
+    """The engine's own share of the request's latency (``usage.engine_timing``).
+
+    ``ttft_s``: wall seconds from the engine getting the request to its first
+    token (a client's TTFT minus this is what everything in between added:
+    the router, the network). ``modelled_*``: the same in the timing model's
+    seconds (before ``--time-scale``), what ``simulate`` computes.
+    """
+    queued = None if sim.admitted_s is None else sim.admitted_s - sim.arrival_s
+    modelled = None if sim.first_token_s is None else sim.first_token_s - sim.arrival_s
+    return {"ttft_s": sim.engine_ttft_s, "modelled_ttft_s": modelled, "modelled_queue_s": queued}
 
 
 def _sse(obj: Any) -> bytes:

@@ -3,7 +3,7 @@
 Serves vLLM's OpenAI API on ``--host:--port`` (see :mod:`.api`), decides
 prefix-cache hits and evictions with the project's real ``PrefixCache`` and
 publishes its KV events on ``--events`` (``--replay`` for the replay socket),
-timed by :mod:`.timing`. Port 0 lets the OS choose (HTTP and events); the
+timed by the shared model (:mod:`tokenspeed_router.timing`, ``--timing``). Port 0 lets the OS choose (HTTP and events); the
 first stdout line is JSON with the resolved ``url``, ``events`` and
 ``replay`` endpoints (lists of one per DP rank for events and replay), so
 tests and scripts never guess ports. SIGTERM/SIGINT stop it cleanly.
@@ -24,10 +24,10 @@ from tokenspeed_router.endpoints import HostPort, bind_socket
 from tokenspeed_router.engine_sim.api import EngineSimApp, create_app
 from tokenspeed_router.engine_sim.engine import Engine, EngineConfig
 from tokenspeed_router.engine_sim.publishing import EventOutlet, OutletConfig
-from tokenspeed_router.engine_sim.timing import TimingModel
 from tokenspeed_router.engine_sim.tokenizer import SimTokenizer
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.process import shutdown_signals
+from tokenspeed_router.timing import PROFILES, TimingModel
 
 __all__ = ["add_arguments", "run"]
 
@@ -43,7 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--role", choices=["both", "prefill", "decode"], default="both", help="P/D role (default both)")
     a("--block-size", type=int, default=16, help="KV block (page) size in tokens (default 16)")
     a("--capacity-tokens", type=int, default=262_144, help="prefix cache size in tokens (default 262144)")
+    a("--timing", choices=PROFILES, default="chunked",
+      help="scheduler profile (the one simulate --timing uses too): fifo = one prefill at a time, "
+           "overhead + uncached tokens / rate, decode without contention; chunked = vLLM-style "
+           "steps with a token budget (default chunked)")
     a("--prefill-tokens-per-s", type=float, default=20_000.0, help="prefill throughput (default 20000)")
+    a("--prefill-overhead-ms", type=float, default=None,
+      help="fixed cost per prefill (fifo) or per step that prefills (chunked); "
+           "default 20 ms for fifo, 0 for chunked")
     a("--decode-s-per-token", type=float, default=0.02,
       help="decode step time with one running sequence (default 0.02 s)")
     a("--decode-batch-cost", type=float, default=0.02,
@@ -99,7 +106,9 @@ def build(args: argparse.Namespace) -> tuple[EngineSimApp, list[Engine], list[Ev
     if args.fault_dp_rank is not None and args.fault_dp_rank < 0:
         raise ConfigError("--fault-dp-rank must be >= 0")
     timing = TimingModel(
+        profile=args.timing,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
+        prefill_overhead_s=None if args.prefill_overhead_ms is None else args.prefill_overhead_ms / 1000.0,
         decode_s_per_token=args.decode_s_per_token,
         decode_batch_cost=args.decode_batch_cost,
         max_batched_tokens=args.max_batched_tokens,

@@ -1,33 +1,25 @@
-"""The simulated engine: a scheduler loop over a real ``PrefixCache``, timed by :mod:`.timing`.
+"""The simulated engine: the shared scheduler (:mod:`tokenspeed_router.engine_model`) in real time.
 
-One asyncio task (:meth:`Engine.run`) owns the cache and every request's
-state; HTTP handlers only :meth:`Engine.submit` a :class:`SimRequest` and read
-its output queue. Per step (see :mod:`.timing` for durations):
-
-1. Admission, FIFO, while fewer than ``max_num_seqs`` run: the request
-   starts in the cache as an engine's would (``begin_request``: longest
-   cached prefix matched and *locked*, pages for the rest allocated, evicting
-   unlocked leaves if needed). If its pages cannot be found while others
-   run, it waits (head of line); alone, it runs with only what fits cached.
-   The reported ``cached_tokens`` is the hit capped at
-   ``(prompt_len - 1) // block_size * block_size``, as vLLM does: the last
-   prompt token is always computed.
-2. The token budget goes to decoding requests (one token each), then to
-   prefill chunks, FIFO.
-3. When a prompt's prefill completes its full blocks are cached
-   (``cache_unfinished_req``, which publishes ``BlockStored``; the request
-   keeps its lock) and its first token is emitted; when it has
-   ``max_tokens`` tokens it is finished (``cache_finished_req`` releases the
-   lock). Only prompt tokens are cached, not generated ones. The step's
-   events go out as one batch at its end.
+The scheduling, the prefix-cache life cycle and the timing profiles
+(``fifo``, ``chunked``: :mod:`tokenspeed_router.timing`) are the ones
+``simulate`` runs; this module only drives them on the asyncio loop. HTTP
+handlers :meth:`Engine.submit` a :class:`SimRequest` and read its output
+queue; one timer (``loop.call_at``) fires when the core has something due,
+so an idle engine costs nothing and a busy one one callback per step or
+token. The modelled clock is wall time since the engine started, times
+``time_scale``. Each request records its own wall-clock queue and TTFT
+(:attr:`SimRequest.wall_submitted`, :attr:`SimRequest.wall_first_token`):
+the engine's share of what a client measures, so a load generator can tell
+how much a router in front added.
 
 P/D (DESIGN §10): a ``prefill_only`` request stops after its first token and
 reports its block ids; a ``remote_prefill`` request counts its prompt as
 transferred (no prefill compute), caches it, and decodes.
 
 The restart fault swaps in a fresh cache (its publisher rebound, seq 0)
-between steps; requests already running finish against the old cache, whose
-events go nowhere, as if they had been transferred.
+after a step; requests already running finish against the old cache, whose
+events go nowhere, as if they had been transferred. Each step's (or
+event's) cache events go out as one batch at its end.
 """
 
 from __future__ import annotations
@@ -36,13 +28,14 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-from collections import deque
+from collections.abc import Sequence
 from typing import Literal
 
-from tokenspeed_router.cache import PrefixCache, Req
+from tokenspeed_router.cache import PrefixCache
+from tokenspeed_router.engine_model import EngineCore, ModelRequest
 from tokenspeed_router.engine_sim.publishing import EventOutlet
-from tokenspeed_router.engine_sim.timing import TimingModel
-from tokenspeed_router.errors import ConfigError, OutOfPagesError
+from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.timing import TimingModel
 
 __all__ = ["EngineConfig", "EngineStatistics", "Role", "SimRequest", "Engine"]
 
@@ -80,25 +73,20 @@ class EngineConfig:
 
 
 @dataclasses.dataclass(eq=False)
-class SimRequest:
-    """One request's state; owned by the engine loop once submitted."""
+class SimRequest(ModelRequest):
+    """One HTTP request's state: the core's, plus its output queue and wall-clock times."""
 
-    request_id: str
-    prompt: list[int]
-    max_tokens: int
-    prefill_only: bool = False
-    remote_prefill: bool = False
-    #: Filled by the engine:
-    cached_tokens: int = 0
-    num_computed: int = 0
-    num_output: int = 0
-    prefilled: bool = False
-    finished: bool = False
-    aborted: bool = False
-    block_ids: list[int] = dataclasses.field(default_factory=list)
     output: asyncio.Queue[OutputItem] = dataclasses.field(default_factory=asyncio.Queue)
-    req: Req | None = None
-    cache: PrefixCache | None = None
+    #: loop time when the engine got it, and when its first token came out
+    wall_submitted: float = 0.0
+    wall_first_token: float | None = None
+
+    @property
+    def engine_ttft_s(self) -> float | None:
+        """Wall seconds from reaching the engine to its first token (the engine's share of TTFT)."""
+        if self.wall_first_token is None:
+            return None
+        return self.wall_first_token - self.wall_submitted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,26 +107,23 @@ class EngineStatistics:
 
 
 class Engine:
-    """The scheduler loop; see the module docstring."""
+    """The asyncio driver of one :class:`EngineCore`; see the module docstring."""
 
     def __init__(self, config: EngineConfig, outlet: EventOutlet) -> None:
         self.config = config
         self.outlet = outlet
-        self.cache = self._new_cache()
-        outlet.attach(self.cache, config.capacity_tokens)
-        self.waiting: deque[SimRequest] = deque()
-        self.running: list[SimRequest] = []
-        self._wake = asyncio.Event()
+        cache = self._new_cache()
+        outlet.attach(cache, config.capacity_tokens)
+        self.core = EngineCore(config.timing, cache, self, block_size=config.block_size,
+                               max_num_seqs=config.max_num_seqs)
         self._closing = False
         self._restarted = False
         self._token_ids = itertools.count(1)
-        self._finished = 0
-        self._aborted = 0
-        self._prompt_tokens = 0
-        self._cached_tokens = 0
-        self._computed_prompt_tokens = 0
-        self._generation_tokens = 0
-        self._steps = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._origin = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._stopped = asyncio.Event()
 
     def _new_cache(self) -> PrefixCache:
         c = self.config
@@ -151,178 +136,145 @@ class Engine:
             debug_checks=False,
         )
 
+    @property
+    def cache(self) -> PrefixCache:
+        cache: PrefixCache = self.core.cache
+        return cache
+
+    @property
+    def waiting(self) -> Sequence[ModelRequest]:
+        return self.core.waiting
+
+    @property
+    def running(self) -> Sequence[ModelRequest]:
+        return self.core.running
+
+    # ------------------------------------------------------------------ clock
+
+    def _modelled_now(self) -> float:
+        assert self._loop is not None
+        scale = self.config.timing.time_scale
+        return (self._loop.time() - self._origin) * scale if scale > 0 else 0.0
+
+    def _wall_at(self, modelled_s: float) -> float:
+        scale = self.config.timing.time_scale
+        return self._origin + modelled_s / scale if scale > 0 else 0.0
+
     # ------------------------------------------------------------------ handlers' side
 
     def submit(self, request: SimRequest) -> None:
         """Queue ``request`` (FIFO); its tokens arrive on ``request.output``."""
-        self.waiting.append(request)
-        self._wake.set()
+        loop = self._bind_loop()
+        request.wall_submitted = loop.time()
+        self.core.submit(request, self._modelled_now())
+        self._schedule()
 
     def abort(self, request: SimRequest) -> None:
         """The client went away: free the request at the next step boundary."""
         if not request.finished:
-            request.aborted = True
-            self._wake.set()
+            self.core.abort(request)
+            self._schedule()
 
     def statistics(self) -> EngineStatistics:
-        stats = self.cache.statistics()
+        core = self.core
+        stats = core.cache.statistics()
         return EngineStatistics(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_finished=self._finished,
-            num_aborted=self._aborted,
-            prompt_tokens=self._prompt_tokens,
-            cached_tokens=self._cached_tokens,
-            computed_prompt_tokens=self._computed_prompt_tokens,
-            generation_tokens=self._generation_tokens,
+            num_running=len(core.running),
+            num_waiting=len(core.waiting),
+            num_finished=core.num_finished,
+            num_aborted=core.num_aborted,
+            prompt_tokens=core.prompt_tokens,
+            cached_tokens=core.cached_tokens,
+            computed_prompt_tokens=core.computed_prompt_tokens,
+            generation_tokens=core.generation_tokens,
             cache_tokens=stats.cached_tokens,
             cache_capacity_tokens=stats.total_pages * stats.page_size,
-            num_steps=self._steps,
+            num_steps=core.num_steps,
             num_restarts=self.outlet.num_restarts,
             num_events_dropped=self.outlet.num_dropped,
         )
 
     def close(self) -> None:
         self._closing = True
-        self._wake.set()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._stopped.set()
 
     # ------------------------------------------------------------------ the loop
 
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._origin = self._loop.time()
+        return self._loop
+
     async def run(self) -> None:
-        """Step until :meth:`close`; every exception in a step is logged and fails its requests."""
-        while not self._closing:
-            if not self.waiting and not self.running:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            try:
-                await self._step()
-            except Exception:  # a bug must not hang every client: fail what runs, keep serving
-                logger.exception("engine-sim %s: step failed", self.config.name)
-                for r in [*self.running, *self.waiting]:
-                    r.output.put_nowait(("error", "engine step failed"))
-                    r.finished = True
-                self.running = []
-                self.waiting.clear()
+        """Serve until :meth:`close` (the work itself runs in timer callbacks)."""
+        self._bind_loop()
+        self._schedule()
+        await self._stopped.wait()
 
-    async def _step(self) -> None:
-        timing = self.config.timing
-        self._drop_aborted()
-        self._admit()
-        decoding = [r for r in self.running if r.prefilled]
-        budget = timing.max_batched_tokens - len(decoding)
-        chunks: list[tuple[SimRequest, int]] = []
-        for r in self.running:
-            if budget <= 0:
-                break
-            if not r.prefilled:
-                n = min(len(r.prompt) - r.num_computed, budget)
-                chunks.append((r, n))
-                budget -= n
-        num_prefill = sum(n for _, n in chunks)
-        delay_s = timing.step_s(num_prefill, len(decoding))
-        if not decoding and not chunks:
-            # Everything waits on pages held by nobody running: cannot happen
-            # (admission runs a lone request), but never spin.
-            self.outlet.flush(self.cache)
-            self._wake.clear()
-            await self._wake.wait()
+    def _schedule(self) -> None:
+        """(Re)arm the one timer for the core's next due event."""
+        if self._closing or self._loop is None:
             return
-        await asyncio.sleep(delay_s)
-        self._steps += 1
-        for r in decoding:
-            self._emit_token(r)
-        for r, n in chunks:
-            r.num_computed += n
-            self._computed_prompt_tokens += n
-            if r.num_computed >= len(r.prompt):
-                self._prefill_done(r)
-                self._emit_token(r)
-        self._finish_done()
-        self.outlet.flush(self.cache)
-        self._maybe_restart()
+        due = self.core.next_event_s()
+        if due is None:
+            return
+        at = self._wall_at(due) if self.config.timing.time_scale > 0 else self._loop.time()
+        if self._timer is not None:
+            if self._timer_at is not None and self._timer_at <= at:
+                return
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = self._loop.call_at(at, self._tick, due)
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            r = self.waiting[0]
-            if r.aborted:
-                self.waiting.popleft()
-                self._end(r, "abort")
-                continue
-            try:
-                req = self.cache.begin_request(r.prompt, strict=True)
-            except OutOfPagesError:
-                if self.running:
-                    return  # head of line waits for pages to be released
-                req = self.cache.begin_request(r.prompt, strict=False)
-            self.waiting.popleft()
-            bs = self.config.block_size
-            hit = 0 if req.prefix_indices is None else int(req.prefix_indices.numel()) * bs
-            r.cached_tokens = min(hit, (len(r.prompt) - 1) // bs * bs)
-            r.req = req
-            r.cache = self.cache
-            self._prompt_tokens += len(r.prompt)
-            self._cached_tokens += r.cached_tokens
-            self.running.append(r)
-            if r.remote_prefill:
-                r.num_computed = len(r.prompt)
-                self._prefill_done(r)
-            else:
-                r.num_computed = r.cached_tokens
+    def _tick(self, due: float) -> None:
+        self._timer = self._timer_at = None
+        if self._closing:
+            return
+        try:
+            self.core.advance(max(self._modelled_now(), due))
+            self.outlet.flush(self.cache)
+            self._maybe_restart()
+        except Exception:  # a bug must not hang every client: fail what runs, keep serving
+            logger.exception("engine-sim %s: step failed", self.config.name)
+            core = self.core
+            for r in [*core.running, *core.waiting]:
+                if isinstance(r, SimRequest):
+                    r.output.put_nowait(("error", "engine step failed"))
+                r.finished = True
+            core.running.clear()
+            core.waiting.clear()
+        self._schedule()
 
-    def _prefill_done(self, r: SimRequest) -> None:
-        assert r.req is not None and r.cache is not None
-        r.prefilled = True
-        r.cache.cache_unfinished_req(r.req, token_ids=r.req.origin_input_ids)
-        if r.req.prefix_indices is not None:
-            r.block_ids = [int(x) for x in r.req.prefix_indices.tolist()]
-        if r.cache is self.cache:
+    # ------------------------------------------------------------------ the core's listener
+
+    def tokens(self, r: ModelRequest, count: int, t: float) -> None:
+        assert isinstance(r, SimRequest)
+        if r.wall_first_token is None and self._loop is not None:
+            r.wall_first_token = self._loop.time()
+        for _ in range(count):
+            r.output.put_nowait(("token", next(self._token_ids) % 50_000))
+
+    def prefill_done(self, r: ModelRequest, t: float) -> None:
+        if r.cache is self.core.cache:
             self.outlet.prompt_cached(r.req.origin_input_ids)
 
-    def _emit_token(self, r: SimRequest) -> None:
-        r.num_output += 1
-        self._generation_tokens += 1
-        r.output.put_nowait(("token", next(self._token_ids) % 50_000))
-
-    def _finish_done(self) -> None:
-        keep: list[SimRequest] = []
-        for r in self.running:
-            if r.aborted:
-                self._release(r)
-                self._end(r, "abort")
-            elif r.prefilled and (r.num_output >= r.max_tokens or r.prefill_only):
-                self._release(r)
-                self._finished += 1
-                self._end(r, "length")
-            else:
-                keep.append(r)
-        self.running = keep
-
-    def _drop_aborted(self) -> None:
-        if any(r.aborted for r in self.running):
-            self._finish_done()
-
-    def _release(self, r: SimRequest) -> None:
-        if r.req is None or r.cache is None:
-            return
-        computed = r.req.origin_input_ids[: r.num_computed]
-        r.cache.cache_finished_req(r.req, token_ids=computed)
-        r.req = None
-
-    def _end(self, r: SimRequest, reason: str) -> None:
-        r.finished = True
-        if reason == "abort":
-            self._aborted += 1
+    def done(self, r: ModelRequest, reason: str, t: float) -> None:
+        assert isinstance(r, SimRequest)
         r.output.put_nowait(("done", reason))
 
     def _maybe_restart(self) -> None:
         limit = self.config.restart_after_requests
-        if limit is None or self._restarted or self._finished < limit:
+        if limit is None or self._restarted or self.core.num_finished < limit:
             return
         self._restarted = True
-        self.outlet.flush(self.cache)
-        self.cache.detach_publisher()
+        old = self.core.cache
+        self.outlet.flush(old)
+        old.detach_publisher()
         self.outlet.restart()
-        self.cache = self._new_cache()
-        self.outlet.attach(self.cache, self.config.capacity_tokens)
-        logger.warning("engine-sim %s: restarted after %d requests", self.config.name, self._finished)
+        self.core.cache = self._new_cache()
+        self.outlet.attach(self.core.cache, self.config.capacity_tokens)
+        logger.warning("engine-sim %s: restarted after %d requests", self.config.name, self.core.num_finished)

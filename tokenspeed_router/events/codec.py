@@ -32,8 +32,9 @@ from tokenspeed_router.events.schema import (
     _BlockStoredArray,
     _RawBatch,
 )
+from tokenspeed_router.events.validation import validate_event
 
-__all__ = ["BatchDecoder", "WireFormat", "decode_batch", "encode_batch", "validate_event"]
+__all__ = ["BatchDecoder", "WireFormat", "check_event", "decode_batch", "encode_batch", "validate_event"]
 
 WireFormat = Literal["map", "array"]
 
@@ -46,29 +47,13 @@ _ARRAY_HEADS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
 _MAP_HEADS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
 
 
-def validate_event(event: Event) -> None:
-    """Check the invariants the type system cannot express; raise WireError."""
-    if isinstance(event, BlockStored):
-        n = len(event.block_hashes)
-        if event.block_size <= 0:
-            raise WireError(f"BlockStored.block_size must be positive, got {event.block_size}")
-        if n == 0:
-            raise WireError("BlockStored.block_hashes is empty")
-        if n > MAX_BLOCKS_PER_EVENT:
-            raise WireError(f"BlockStored carries {n} blocks, limit {MAX_BLOCKS_PER_EVENT}")
-        num_tokens = len(event.token_ids)
-        if num_tokens == 0:
-            # Pre-hashed (a --hashes-only relay, DESIGN §12): the ids are content hashes.
-            if not all(type(h) is int for h in event.block_hashes):
-                raise WireError("BlockStored without token ids must carry integer content hashes")
-        elif not (n - 1) * event.block_size < num_tokens <= n * event.block_size:
-            raise WireError(
-                f"BlockStored has {n} block hashes of size {event.block_size} "
-                f"but {num_tokens} token ids (expected {(n - 1) * event.block_size + 1}"
-                f"..{n * event.block_size})"
-            )
-    elif isinstance(event, BlockRemoved) and len(event.block_hashes) > MAX_BLOCKS_PER_EVENT:
-        raise WireError(f"BlockRemoved carries {len(event.block_hashes)} blocks")
+def check_event(event: Event) -> None:
+    """A decoded event: well formed (``events/validation.py``) and within the wire's size bounds."""
+    if isinstance(event, (BlockStored, BlockRemoved)) and len(event.block_hashes) > MAX_BLOCKS_PER_EVENT:
+        raise WireError(
+            f"{type(event).__name__} carries {len(event.block_hashes)} blocks, limit {MAX_BLOCKS_PER_EVENT}"
+        )
+    validate_event(event)
 
 
 _PUBLIC: dict[type, type] = {
@@ -114,7 +99,7 @@ class BatchDecoder:
             raise WireError(f"batch has {len(batch.events)} events, limit {MAX_EVENTS_PER_BATCH}")
         if self._validate:
             for event in batch.events:
-                validate_event(event)
+                check_event(event)
         return batch
 
     def _decode_typed(self, payload: bytes | bytearray | memoryview) -> KVEventBatch:

@@ -336,9 +336,15 @@ class Proxy:
         """Relay an SSE answer; True when the engine's stream was read to its end."""
         relay = SseRelay(strip_usage=strip)
         started = False
+        # the prefill is done at the first *generated* token, not the first byte: a chat
+        # stream's role chunk comes before the prefill runs (see sse.py)
+        prefilled = not observe
         try:
             while (chunk := await resp.next_chunk()) is not None:
                 out = relay.feed(chunk)
+                if not prefilled and relay.generated:
+                    prefilled = True
+                    self._prefill_done(plan.request_id)
                 if not out:
                     continue
                 if not started:
@@ -346,8 +352,6 @@ class Proxy:
                     await send({"type": "http.response.start", "status": 200, "headers": [
                         (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                         *worker_headers]})
-                    if observe:
-                        self._prefill_done(plan.request_id)
                 await send({"type": "http.response.body", "body": out, "more_body": True})
         except _TRANSPORT as err:
             if not started:

@@ -4,7 +4,11 @@ Times are taken on the event loop's monotonic clock when bytes arrive:
 
 * ``ttft_s`` — from sending to the first chunk that carries a choice (a token);
 * ``itl_s`` — the gaps between successive token-carrying chunks;
-* ``e2e_s`` — from sending to the end of the stream.
+* ``e2e_s`` — from sending to the end of the stream;
+* ``engine_ttft_s`` — the engine's own TTFT, when it reports one
+  (engine-sim's ``usage.engine_timing.ttft_s``), so ``router_added_s`` =
+  ``ttft_s - engine_ttft_s`` is what everything between the client and the
+  engine added: the router, the network, the load generator's own loop.
 
 The worker that served the request is read, in this order, from the
 ``x-tokenspeed-worker`` header (our gateway), the ``x-engine-id`` header
@@ -47,6 +51,9 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    engine_ttft_s: float | None = None
+    #: the engine's TTFT in its timing model's seconds (engine-sim: immune to its own loop's lateness)
+    engine_modelled_ttft_s: float | None = None
     worker: str | None = None
     status: int | None = None
     error: str | None = None
@@ -54,6 +61,13 @@ class RequestRecord:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def router_added_s(self) -> float | None:
+        """Client TTFT minus the engine's own TTFT (None unless both are known)."""
+        if self.ttft_s is None or self.engine_ttft_s is None:
+            return None
+        return self.ttft_s - self.engine_ttft_s
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready row (inter-token gaps summarised, not listed)."""
@@ -72,6 +86,9 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
+            "engine_ttft_s": self.engine_ttft_s,
+            "engine_modelled_ttft_s": self.engine_modelled_ttft_s,
+            "router_added_s": self.router_added_s,
             "worker": self.worker,
             "status": self.status,
             "error": self.error,
@@ -88,6 +105,12 @@ def _read_usage(record: RequestRecord, usage: Any) -> None:
     details = usage.get("prompt_tokens_details")
     if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
         record.cached_tokens = details["cached_tokens"]
+    timing = usage.get("engine_timing")
+    if isinstance(timing, dict):
+        if isinstance(timing.get("ttft_s"), (int, float)):
+            record.engine_ttft_s = float(timing["ttft_s"])
+        if isinstance(timing.get("modelled_ttft_s"), (int, float)):
+            record.engine_modelled_ttft_s = float(timing["modelled_ttft_s"])
 
 
 def _error_text(payload: Any) -> str:

@@ -179,16 +179,22 @@ class EngineSimOptions:
     max_num_seqs: int = 64
     model: str = "tokenspeed-sim"
     restart_after_requests: int | None = None
+    #: the shared timing model's profile (``--timing``) and its prefill overhead (None: the profile's)
+    timing: str = "chunked"
+    prefill_overhead_ms: float | None = None
     extra: tuple[str, ...] = ()
 
     def args(self) -> list[str]:
-        out = ["--block-size", str(self.block_size), "--capacity-tokens", str(self.capacity_tokens),
+        out = ["--timing", self.timing,
+               "--block-size", str(self.block_size), "--capacity-tokens", str(self.capacity_tokens),
                "--prefill-tokens-per-s", f"{self.prefill_tokens_per_s:g}",
                "--decode-s-per-token", f"{self.decode_s_per_token:g}",
                "--time-scale", f"{self.time_scale:g}", "--max-num-seqs", str(self.max_num_seqs),
                "--model", self.model]
         if self.restart_after_requests is not None:
             out += ["--fault-restart-after-requests", str(self.restart_after_requests)]
+        if self.prefill_overhead_ms is not None:
+            out += ["--prefill-overhead-ms", f"{self.prefill_overhead_ms:g}"]
         return out + list(self.extra)
 
 

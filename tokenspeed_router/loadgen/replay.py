@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
+import msgspec
 
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.loadgen.client import RequestRecord, send_request
@@ -32,6 +33,7 @@ __all__ = [
     "fetch_model",
     "replay",
     "replay_async",
+    "warm_up",
 ]
 
 logger = logging.getLogger(__name__)
@@ -174,6 +176,36 @@ def replay(
 ) -> ReplayOutcome:
     """Blocking wrapper of :func:`replay_async` (runs its own event loop)."""
     return asyncio.run(replay_async(requests, builder, config, progress=progress))
+
+
+async def _warm_up(config: ReplayConfig, model: str, requests: int, text: bool) -> int:
+    urls = [completions_url(t) for t in config.targets]
+    failed = 0
+    async with _client(config) as client:
+        loop = asyncio.get_running_loop()
+        for i in range(requests):
+            # short prompts of their own token ids (no trace prefix), two tokens each
+            ids = [7, 11, 13, 17 + i] * 8
+            prompt: object = " ".join(map(str, ids)) if text else ids
+            body = msgspec.json.encode({"model": model, "prompt": prompt, "max_tokens": 2,
+                                        "stream": True, "stream_options": {"include_usage": True}})
+            record = RequestRecord(index=-1, request_id=f"warm-up-{i}", scheduled_s=0.0, input_length=32,
+                                   max_tokens=2)
+            await send_request(client, urls[i % len(urls)], body, record, start_t=loop.time())
+            failed += not record.ok
+    return failed
+
+
+def warm_up(config: ReplayConfig, model: str, *, requests: int = 8, text: bool = False) -> int:
+    """Send ``requests`` short requests one at a time, before a measured replay; returns failures.
+
+    A fresh router, engine or client pays one-time costs on its first
+    requests (lazy imports, the first tensor operations, connection pools),
+    up to hundreds of milliseconds on a loaded machine: measured, they would
+    be the p99 of a short run. The prompts share nothing with a trace's;
+    ``text`` writes them as digit words (the ``text`` prompt format).
+    """
+    return asyncio.run(_warm_up(config, model, requests, text))
 
 
 async def _model_of(config: ReplayConfig) -> str:

@@ -9,6 +9,10 @@ Metric definitions (nearest-rank percentiles, the simulator's definition):
   cached_tokens`` / sum of ``usage.prompt_tokens``, over successful requests
   whose engine reported both (``usage_reported`` says how many did). This is
   what the engines actually reused, whoever routed;
+* ``router_added_*_s`` — client TTFT minus the engine's own TTFT
+  (``usage.engine_timing.ttft_s``, engine-sim reports it), over successful
+  requests whose engine reported it (``router_added_reported`` says how
+  many): what the router, the network and the load generator added;
 * ``spread`` — requests per worker (``x-tokenspeed-worker``, else
   ``x-engine-id``, else ``system_fingerprint``) and ``max_over_mean``: 1.0 is
   an even split; a router that piles load on one engine shows it here.
@@ -57,6 +61,7 @@ def summarize(records: Sequence[RequestRecord], *, wall_s: float,
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
     itl = [g for r in ok for g in r.itl_s]
+    added = [a for r in ok if (a := r.router_added_s) is not None]
     usage = [r for r in ok if r.prompt_tokens is not None and r.cached_tokens is not None]
     prompt_tokens = sum(r.prompt_tokens or 0 for r in usage)
     cached_tokens = sum(r.cached_tokens or 0 for r in usage)
@@ -75,6 +80,9 @@ def summarize(records: Sequence[RequestRecord], *, wall_s: float,
         **_dist(ttft, "ttft"),
         **_dist(itl, "itl"),
         **_dist(e2e, "e2e"),
+        **_dist(added, "router_added"),
+        "router_added_max_s": max(added) if added else None,
+        "router_added_reported": len(added),
         "output_tokens": sum(r.completion_tokens or r.output_chunks for r in ok),
         "prompt_tokens": prompt_tokens,
         "cached_tokens": cached_tokens,
@@ -94,7 +102,7 @@ def format_runs_table(runs: Mapping[str, Mapping[str, Any]], *, label: str = "ru
     """One row per run: TTFT p50/p99, ITL p50, e2e p99, hit ratio, spread, errors."""
     width = max([len(label), *(len(n) for n in runs)]) + 2
     head = (f"{label:<{width}}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'e2e p99':>9}"
-            f"{'hit':>7}{'spread':>8}{'errors':>8}")
+            f"{'hit':>7}{'spread':>8}{'added p99':>10}{'errors':>8}")
     lines = [head, "-" * len(head)]
     for name, m in runs.items():
         hit = "-" if m.get("hit_ratio") is None else f"{m['hit_ratio']:.1%}"
@@ -102,7 +110,7 @@ def format_runs_table(runs: Mapping[str, Mapping[str, Any]], *, label: str = "ru
         lines.append(
             f"{name:<{width}}{_fmt_s(m.get('ttft_p50_s')):>10}{_fmt_s(m.get('ttft_p99_s')):>10}"
             f"{_fmt_s(m.get('itl_p50_s')):>9}{_fmt_s(m.get('e2e_p99_s')):>9}{hit:>7}{spread:>8}"
-            f"{m.get('errors', 0):>8}"
+            f"{_fmt_s(m.get('router_added_p99_s')):>10}{m.get('errors', 0):>8}"
         )
     return "\n".join(lines)
 

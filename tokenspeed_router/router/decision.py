@@ -44,6 +44,7 @@ from typing import Any
 import msgspec
 
 from tokenspeed_router.router.scoring import CostWeights, MatchDetailLike
+from tokenspeed_router.router.tiers import TIER_NAMES
 
 __all__ = [
     "CandidateCost",
@@ -55,8 +56,8 @@ __all__ = [
     "TIERS",
 ]
 
-#: tier names of ``KvIndex.match_detail`` (best first)
-TIERS: tuple[str, ...] = ("gpu", "cpu", "storage")
+#: tier names of ``KvIndex.match_detail`` (best first): ``router/tiers.py`` defines them
+TIERS: tuple[str, ...] = TIER_NAMES
 
 
 class CreditSource(str, enum.Enum):

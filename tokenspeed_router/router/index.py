@@ -3,14 +3,18 @@
 :class:`KvIndex` turns KV events into operations on a *core* that holds the
 blocks. There are two cores with one contract and the same answers:
 
-* ``tokenspeed_router._native.Core`` (csrc/native.c) — compiled, compact
+* ``tokenspeed_router._native.Core`` (csrc/, one C extension) — compiled, compact
   (open-addressing tables, ~60 bytes a block), its own reader/writer lock:
   the default whenever the extension is built;
 * :class:`~tokenspeed_router.router.index_reference.ReferenceCore` — plain
   dicts, the readable model of the data structures; used when the extension
-  is not built, with ``KvIndex(core="reference")``, or when the environment
-  sets ``TOKENSPEED_ROUTER_INDEX=reference`` (read once at import, for
-  operators comparing the two).
+  is not built (with a warning in the log: it is much slower), with
+  ``KvIndex(core="reference")``, or when the environment sets
+  ``TOKENSPEED_ROUTER_INDEX=reference`` (read once at import, for operators
+  comparing the two).
+
+Both satisfy :class:`~tokenspeed_router.router.index_core.IndexCore` (checked
+by mypy); ``KvIndex.implementation`` names the one running.
 
 This module owns the event semantics both share: validation before any
 change, block-size adoption, partial tails and foreign block grids, LoRA and
@@ -30,13 +34,12 @@ Complexity (n = blocks in an event, d = matched depth, B = a worker's blocks)
 Threads
 -------
 Single writer: one thread calls ``apply``, ``clear_worker``, ``remove_worker``,
-``restore`` into it. With the native core, ``match``, ``match_detail``,
-``workers``, ``block_size_of``, ``num_blocks``, ``blocks_by_tier`` and
-``statistics`` may be called from any other thread at the same time: the core
+``restore`` into it. ``match``, ``match_detail``, ``workers``,
+``block_size_of``, ``num_blocks``, ``blocks_by_tier`` and ``statistics`` may
+be called from any other thread at the same time, on either core: each core
 locks each event and each query on its own, so a query never waits behind a
 whole batch (it may see a batch half applied, never a block half stored).
-With the reference core, callers serialise readers and the writer themselves
-(``concurrent_reads`` says which case holds).
+Callers need no lock of their own around the index.
 """
 
 from __future__ import annotations
@@ -52,15 +55,24 @@ import xxhash
 
 from tokenspeed_router.errors import SnapshotError, UnknownParentError, WireError
 from tokenspeed_router.events.schema import (
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     Event,
     KVEventBatch,
 )
+from tokenspeed_router.events.validation import validate_event
 from tokenspeed_router.hashing import HASH_VERSION, root_seed
+from tokenspeed_router.router.index_core import CoreName, IndexCore, WorkerInfo
 from tokenspeed_router.router.index_reference import ReferenceCore
-from tokenspeed_router.router.tiers import ALL_TIERS, CPU, GPU, STORAGE, medium_code
+from tokenspeed_router.router.tiers import (
+    ALL_TIERS,
+    CPU,
+    GPU,
+    STORAGE,
+    TIER_NAMES,
+    known_media,
+    medium_code,
+)
 
 try:
     from tokenspeed_router import _native
@@ -72,8 +84,10 @@ __all__ = [
     "NATIVE_AVAILABLE",
     "SNAPSHOT_VERSION",
     "ApplyStats",
+    "RawApplied",
     "KvIndex",
     "MatchDetail",
+    "WorkerInfo",
     "lora_key",
 ]
 
@@ -88,6 +102,8 @@ DUMP_CONTENT_KEY = "tokenspeed_router.content_ids"
 DUMP_UNMATCHABLE_KEY = "tokenspeed_router.unmatchable"
 
 NATIVE_AVAILABLE = _native is not None
+if _native is not None:
+    _native.set_media(sorted(known_media().items()))  # the raw decoder maps media as medium_code does
 _DEFAULT_CORE = os.environ.get("TOKENSPEED_ROUTER_INDEX", "").strip().lower() or None
 
 _M64 = (1 << 64) - 1
@@ -112,6 +128,26 @@ class ApplyStats(NamedTuple):
     removed_blocks: int
     unknown_removals: int
     cleared: int
+
+
+class RawApplied(NamedTuple):
+    """What one ``apply_raw`` did (see :meth:`KvIndex.apply_raw`).
+
+    ``unknown_parent``: a BlockStored's parent is not held; nothing was
+    applied (as ``apply`` raising :class:`UnknownParentError`). In salvage
+    mode, ``rejected`` events were refused that way and the rest applied;
+    ``last_clear`` / ``last_reject`` are the indexes of the last
+    whole-cache clear applied and of the last refused event (-1: none).
+    """
+
+    ts: float
+    stats: ApplyStats
+    stores: bool
+    clears_everything: bool
+    unknown_parent: bool
+    rejected: int
+    last_clear: int
+    last_reject: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +192,26 @@ def _name_key(name: str) -> int:
     return xxhash.xxh3_64_intdigest(b"tokenspeed-router/lora-name\x00" + name.encode()) >> 1
 
 
-def _new_core(kind: str | None) -> tuple[Any, str]:
-    kind = kind or _DEFAULT_CORE or ("native" if NATIVE_AVAILABLE else "reference")
+_warned_fallback = False
+
+
+def _new_core(kind: str | None) -> tuple[IndexCore, CoreName]:
+    """The core ``kind`` names (None: the environment's choice, else native when built).
+
+    Falling back to the reference core because the extension is not built
+    logs a warning (once per process): it gives the same answers, an
+    operator must still learn that the index runs many times slower.
+    """
+    global _warned_fallback
+    if kind is None and _DEFAULT_CORE is None and not NATIVE_AVAILABLE:
+        if not _warned_fallback:
+            _warned_fallback = True
+            logger.warning(
+                "the compiled index core (tokenspeed_router._native) is not built: using the "
+                "pure-Python reference core (same answers, much slower); reinstall with a C compiler"
+            )
+        return ReferenceCore(), "reference"
+    kind = kind or _DEFAULT_CORE or "native"
     if kind == "reference":
         return ReferenceCore(), "reference"
     if kind == "native":
@@ -165,11 +219,6 @@ def _new_core(kind: str | None) -> tuple[Any, str]:
             raise ImportError("tokenspeed_router._native is not built (reinstall with a C compiler)")
         return _native.Core(), "native"
     raise ValueError(f"unknown index core {kind!r} (native or reference)")
-
-
-def _is_hash64(x: object) -> bool:
-    """An int in the u64 or i64 range (engines send hashes either way; i64 ones wrap to u64)."""
-    return type(x) is int and -(1 << 63) <= x <= _M64
 
 
 class KvIndex:
@@ -182,8 +231,8 @@ class KvIndex:
 
     def __init__(self, *, core: str | None = None) -> None:
         self._core, self.implementation = _new_core(core)
-        #: a native core locks per operation; the reference needs the caller's lock
-        self.concurrent_reads = self.implementation == "native"
+        #: True on both cores (each locks every event and query itself); kept for callers that ask
+        self.concurrent_reads = True
         self._block_size: dict[str, int | None] = {}
         self._counters: dict[str, list[int]] = {}
         self._roots: dict[tuple[Any, Any], int] = {}
@@ -196,7 +245,7 @@ class KvIndex:
         A worker is known from its first applied batch (even an empty one)
         until :meth:`remove_worker`; clearing its blocks keeps it known.
         """
-        return self._core.workers()  # type: ignore[no-any-return]
+        return self._core.workers()
 
     @property
     def workers_version(self) -> int:
@@ -214,13 +263,17 @@ class KvIndex:
         """
         return self._block_size.get(worker)
 
+    def worker_info(self, worker: str) -> WorkerInfo:
+        """A known worker's counts (KeyError for an unknown one)."""
+        return WorkerInfo._make(self._core.info(worker))
+
     def num_blocks(self, worker: str | None = None) -> int:
         """Blocks held (partial tails and every tier copy of a block counted once)."""
         if worker is None:
-            return sum(self._core.info(w)[1] for w in self._core.workers())
+            return sum(self.worker_info(w).blocks for w in self._core.workers())
         if worker not in self._counters:
             return 0
-        return int(self._core.info(worker)[1])
+        return self.worker_info(worker).blocks
 
     def num_distinct_blocks(self) -> int:
         """Distinct matchable content ids across all workers."""
@@ -229,9 +282,9 @@ class KvIndex:
     def blocks_by_tier(self, worker: str) -> dict[str, int]:
         """Blocks per tier for one worker; a block on two tiers counts in both."""
         if worker not in self._counters:
-            return {"gpu": 0, "cpu": 0, "storage": 0}
-        _bs, _n, gpu, cpu, storage, *_ = self._core.info(worker)
-        return {"gpu": gpu, "cpu": cpu, "storage": storage}
+            return dict.fromkeys(TIER_NAMES, 0)
+        info = self.worker_info(worker)
+        return {"gpu": info.gpu, "cpu": info.cpu, "storage": info.storage}
 
     def memory_bytes(self) -> int:
         """Bytes the core's tables keep (native: exact allocation; reference: getsizeof)."""
@@ -320,27 +373,51 @@ class KvIndex:
             mine[i] += v
         return ApplyStats(len(events), stored, dup, removed, unknown, cleared)
 
+    def apply_raw(self, worker: str, payload: bytes, *, salvage: bool = False) -> RawApplied | None:
+        """Apply an undecoded msgpack batch in the compiled core, or say None (nothing changed).
+
+        The common case -- the three events in either wire form, int or bytes
+        ids, a known ``medium``, no LoRA/salt/extra keys, every store on the
+        worker's current block grid, the worker already known -- is read and
+        applied in C without a Python object per block and without the GIL
+        (csrc/ingest_decode.c). Anything else, malformed bytes included,
+        returns None before any change: decode it and call :meth:`apply`,
+        which decides exactly as always. Same atomicity and counters as
+        :meth:`apply`; ``salvage=True`` applies event by event instead,
+        skipping stores whose parent is unknown (``IndexIngestor``'s salvage).
+        """
+        raw = getattr(self._core, "apply_raw", None)  # the compiled core's only (not in IndexCore)
+        if raw is None or worker not in self._counters:
+            return None
+        bs = self._block_size[worker]
+        if bs is None:
+            return None
+        got = raw(worker, payload, bs, self._root(None, None), salvage)
+        if got is None:
+            return None
+        ts, events, stored, dup, removed, unknown, cleared, mismatch, flags, refused, rejected, last_clear, last_reject = got
+        mine = self._counters[worker]
+        if refused:
+            mine[_UNKNOWN_PARENTS] += 1
+            stats = ApplyStats(events, 0, 0, 0, 0, 0)
+        else:
+            mine[_UNKNOWN_REMOVALS] += unknown
+            mine[_TIER_MISMATCHES] += mismatch
+            mine[_DUPLICATES] += dup
+            mine[_UNKNOWN_PARENTS] += rejected
+            stats = ApplyStats(events, stored, dup, removed, unknown, cleared)
+        return RawApplied(
+            ts, stats, bool(flags & 1), bool(flags & 2), bool(refused), rejected, last_clear, last_reject
+        )
+
     def _validate(self, worker: str, ev: Event) -> None:
         """Reject a malformed event before anything of the batch is applied."""
+        validate_event(ev, f"worker {worker!r}: ")
         if isinstance(ev, BlockStored):
-            hashes = ev.block_hashes
-            n = len(hashes)
-            bs = ev.block_size
-            num = len(ev.token_ids)
-            if n == 0 or bs <= 0:
-                raise WireError(f"worker {worker!r}: BlockStored with {n} hashes of block size {bs}")
-            if num == 0:
-                # Pre-hashed (a relay's --hashes-only mode, DESIGN §12): the ids are
-                # the router's content hashes, the parent is its content hash.
-                p = ev.parent_block_hash
-                if not all(map(_is_hash64, hashes)) or not (p is None or _is_hash64(p)):
-                    raise WireError(f"worker {worker!r}: BlockStored without token ids needs u64 content hashes")
-            elif not (n - 1) * bs < num <= n * bs:
-                raise WireError(
-                    f"worker {worker!r}: BlockStored with {n} hashes of block size {bs} carries {num} token ids"
-                )
             xk = ev.extra_keys
             if type(xk) is dict and DUMP_CONTENT_KEY in xk:
+                # what dump_events writes (an index's own format, so checked here)
+                n = len(ev.block_hashes)
                 ids = xk[DUMP_CONTENT_KEY]
                 bad = xk.get(DUMP_UNMATCHABLE_KEY, [])
                 if (
@@ -351,8 +428,6 @@ class KvIndex:
                     or not all(type(i) is int and 0 <= i < n for i in bad)
                 ):
                     raise WireError(f"worker {worker!r}: malformed dumped content ids")
-        elif not isinstance(ev, (BlockRemoved, AllBlocksCleared)):
-            raise WireError(f"worker {worker!r}: not a KV event: {type(ev).__name__}")
 
     def _store(self, worker: str, ev: BlockStored, counts: list[int]) -> tuple[int, int]:
         """One BlockStored: pick the block grid, then let the core hash and hold it."""
@@ -370,7 +445,7 @@ class KvIndex:
         elif (
             ebs != bs
             and (dumped or prehashed or not (n == 1 and ebs < bs and num < bs))
-            and self._core.info(worker)[7] == 0
+            and self.worker_info(worker).matchable == 0
         ):
             # The worker holds no matchable block: it restarted or was cleared,
             # maybe with another block size. Adopt the event's. A lone block
@@ -407,7 +482,7 @@ class KvIndex:
             )
         if got is None:
             raise UnknownParentError(worker, parent)
-        return got  # type: ignore[no-any-return]
+        return got
 
     def _root(self, lora: Any, salt: Any) -> int:
         key = (lora, salt)
@@ -430,7 +505,7 @@ class KvIndex:
         hashing stops at the first block no worker holds.
         """
         try:
-            return self._core.match(token_ids, self._root(lora_id, salt))  # type: ignore[no-any-return]
+            return self._core.match(token_ids, self._root(lora_id, salt))
         except (TypeError, ValueError, OverflowError) as err:
             raise WireError(f"token_ids must be ints in [0, 2**64): {err}") from err
 
@@ -457,13 +532,13 @@ class KvIndex:
 
         workers: dict[str, Any] = {}
         for name in self._core.workers():
-            _bs, n, gpu, cpu, storage, unmatchable, aliased, _matchable = self._core.info(name)
+            info = self.worker_info(name)
             workers[name] = {
                 "block_size": self._block_size.get(name),
-                "blocks": n,
-                "tiers": {"gpu": gpu, "cpu": cpu, "storage": storage},
-                "unmatchable_blocks": unmatchable,
-                "aliased_blocks": aliased,
+                "blocks": info.blocks,
+                "tiers": {"gpu": info.gpu, "cpu": info.cpu, "storage": info.storage},
+                "unmatchable_blocks": info.unmatchable,
+                "aliased_blocks": info.aliased,
                 **dict(zip(_COUNTERS, self._counters.get(name, [0] * 5), strict=True)),
             }
         return {
@@ -554,7 +629,7 @@ class KvIndex:
             ext = [w.ext[i] for i in idx]
             contents = [w.content[i] & _M64 for i in idx]
             got = self._core.store_hashed(w.name, ext, None, contents, bytes(flags[i] for i in idx), code)
-            if got[1]:
+            if got is not None and got[1]:  # None only for an unknown parent: there is none here
                 raise SnapshotError(f"corrupt KvIndex snapshot: worker {w.name!r} repeats external ids")
 
     def dump_events(self) -> dict[str, list[KVEventBatch]]:

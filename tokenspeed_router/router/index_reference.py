@@ -2,7 +2,7 @@
 
 :class:`~tokenspeed_router.router.index.KvIndex` turns KV events into calls
 on a *core*; this module is one core, the compiled ``tokenspeed_router._native.Core``
-(csrc/native.c) is the other. Both have exactly these methods and give the
+(csrc/, C) is the other. Both have exactly these methods and give the
 same answers (the behaviour suite and the stateful test run both and compare).
 This one is the readable definition; the C one is the fast one.
 
@@ -31,22 +31,28 @@ Atomicity: between ``begin()`` and ``commit()`` every change records how to
 undo itself; ``rollback()`` replays those in reverse (KvIndex uses this so a
 batch that hits an unknown parent halfway changes nothing).
 
-Threads: single writer, like the index; readers from other threads are safe
-only under the GIL's per-operation atomicity, so the service holds its lock
-around calls into this core (the native core has its own lock).
+Threads: like the native core, every public method holds the core's lock
+for its own work (one event, one query), so one writer and any number of
+readers may call it at once and a reader sees a batch half applied, never a
+block half stored (``router/index_core.py``).
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 
 from tokenspeed_router.hashing import chain_hash, tokens_to_bytes
+from tokenspeed_router.router.index_core import RawWorkerInfo
+from tokenspeed_router.router.tiers import ALL_TIERS, GPU, TIER_NAMES, best_tier
 
 __all__ = ["ReferenceCore"]
 
-GPU, CPU, STORAGE, ALL_TIERS = 1, 2, 4, 7
 _M64 = (1 << 64) - 1
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 class Block(NamedTuple):
@@ -67,8 +73,15 @@ class _Worker:
         self.held: dict[Block, Held] = {}
 
 
-def _best_tier(code: int) -> str:
-    return "gpu" if code & GPU else "cpu" if code & CPU else "storage"
+def _locked(method: Callable[Concatenate[ReferenceCore, _P], _R]) -> Callable[Concatenate[ReferenceCore, _P], _R]:
+    """Run a public method under the core's lock (re-entrant: methods call each other)."""
+
+    @functools.wraps(method)
+    def locked(self: ReferenceCore, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 def _event_words(token_ids: Any) -> list[int]:
@@ -84,14 +97,17 @@ class ReferenceCore:
         self.holders: dict[int, set[str]] = {}
         self.version = 0
         self._undo: list[Callable[[], None]] | None = None
+        self._lock = threading.RLock()
 
     # ---- workers
 
+    @_locked
     def register(self, name: str) -> None:
         if name not in self._workers:
             self._workers[name] = _Worker(name)
             self.version += 1
 
+    @_locked
     def unregister(self, name: str) -> None:
         undo, self._undo = self._undo, None  # leaving is never undone
         self.clear(name, ALL_TIERS)
@@ -99,20 +115,25 @@ class ReferenceCore:
         del self._workers[name]
         self.version += 1
 
+    @_locked
     def workers(self) -> list[str]:
         return list(self._workers)
 
+    @_locked
     def set_block_size(self, name: str, block_size: int | None) -> None:
         self._workers[name].block_size = block_size
 
     # ---- undo log
 
+    @_locked
     def begin(self) -> None:
         self._undo = []
 
+    @_locked
     def commit(self) -> None:
         self._undo = None
 
+    @_locked
     def rollback(self) -> None:
         undo, self._undo = self._undo or [], None
         for step in reversed(undo):
@@ -144,6 +165,7 @@ class ReferenceCore:
 
     # ---- blocks
 
+    @_locked
     def store(
         self,
         name: str,
@@ -179,6 +201,7 @@ class ReferenceCore:
         flags = [unmatchable or i >= num_full for i in range(len(ext_ids))]
         return self._hold_all(w, ext_ids, contents, flags, tier)
 
+    @_locked
     def store_hashed(
         self, name: str, ext_ids: Sequence[Any], parent: Any, contents: Sequence[int], unmatchable: bytes | None, tier: int
     ) -> tuple[int, int] | None:
@@ -219,6 +242,7 @@ class ReferenceCore:
             self._put(w.held, block, Held(h.refs + 1, h.tiers | tier))
         return 1
 
+    @_locked
     def remove(self, name: str, ext_ids: Sequence[Any], tier: int, unspecified: bool) -> tuple[int, int, int]:
         """Drop tier ``tier`` of each block; returns (gone, unknown ids, tier mismatches).
 
@@ -266,6 +290,7 @@ class ReferenceCore:
             self._hold(w.name, block.content, False)
         return 1
 
+    @_locked
     def clear(self, name: str, tier: int) -> int:
         """Drop tier ``tier`` (ALL_TIERS: everything) of every block; returns blocks gone."""
         w = self._workers[name]
@@ -288,7 +313,7 @@ class ReferenceCore:
     def _walk(self, token_ids: Any, root: int, detail: bool) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
         data = tokens_to_bytes(token_ids)  # raises WireError for bad tokens
         scores = dict.fromkeys(self._workers, 0)
-        tiers = {n: {"gpu": 0, "cpu": 0, "storage": 0} for n in self._workers}
+        tiers = {n: dict.fromkeys(TIER_NAMES, 0) for n in self._workers}
         sizes = {w.block_size for w in self._workers.values() if w.block_size}
         for bs in sorted(sizes):
             alive = {n for n, w in self._workers.items() if w.block_size == bs}
@@ -301,13 +326,15 @@ class ReferenceCore:
                 for n in alive:
                     scores[n] = depth + 1
                     if detail:
-                        tiers[n][_best_tier(self._workers[n].held[Block(h, True)].tiers)] += 1
+                        tiers[n][best_tier(self._workers[n].held[Block(h, True)].tiers)] += 1
                 depth += 1
         return scores, tiers
 
+    @_locked
     def match(self, token_ids: Any, root: int) -> dict[str, int]:
         return self._walk(token_ids, root, False)[0]
 
+    @_locked
     def match_detail(
         self, token_ids: Any, root: int
     ) -> tuple[dict[str, int], dict[str, dict[str, int]], dict[str, int]]:
@@ -315,7 +342,8 @@ class ReferenceCore:
         sizes = {n: w.block_size for n, w in self._workers.items() if w.block_size}
         return scores, tiers, sizes
 
-    def info(self, name: str) -> tuple[int | None, int, int, int, int, int, int, int]:
+    @_locked
+    def info(self, name: str) -> RawWorkerInfo:
         """(block size, blocks, gpu, cpu, storage, unmatchable, aliased, matchable) of a worker."""
         w = self._workers[name]
         by_tier = [0, 0, 0]
@@ -331,9 +359,11 @@ class ReferenceCore:
         gpu, cpu, storage = by_tier
         return (w.block_size, n, gpu, cpu, storage, unmatchable, aliased, n - unmatchable)
 
+    @_locked
     def num_distinct(self) -> int:
         return len(self.holders)
 
+    @_locked
     def items(self, name: str) -> tuple[list[Any], list[int], list[int], list[int], list[int]]:
         """(external ids, contents, unmatchable positions, non-GPU positions, their tier codes)."""
         w = self._workers[name]
@@ -349,6 +379,7 @@ class ReferenceCore:
                 tier_code.append(t)
         return ext, contents, unm, tier_index, tier_code
 
+    @_locked
     def memory_bytes(self) -> int:
         """Bytes kept alive by the maps and the objects in them (approximate, getsizeof)."""
         import sys

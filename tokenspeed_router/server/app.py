@@ -16,15 +16,13 @@ Threads and who touches what::
 
 Two locks, always taken in this order: ``RouterService._ingest_lock`` (one
 writer into the ingestor and the index at a time) and ``RouterService._lock``
-(the router's state: workers, roles, cold flags, requests in flight). With
-the native index core (``KvIndex.concurrent_reads``) an item is applied
-holding only the ingest lock: the core locks each event and each query on its
-own, so ``/match`` and ``/route`` never wait behind a whole batch (they may see
-a batch half applied, never a block half stored); worker state changes take
-``_lock`` for the moment they touch the router. With the reference core an
-item is applied whole under both locks, as before. Queries hold ``_lock`` for
-a routing decision (microseconds); ``/match`` on the native core takes no
-lock of ours at all. The replay round trips of a subscriber happen on the
+(the router's state: workers, roles, cold flags, requests in flight). An
+item is applied holding only the ingest lock: the index (either core) locks
+each event and each query on its own, so ``/match`` and ``/route`` never wait
+behind a whole batch (they may see a batch half applied, never a block half
+stored); worker state changes take ``_lock`` for the moment they touch the
+router. Queries hold ``_lock`` for a routing decision (microseconds);
+``/match`` takes no lock of ours at all. The replay round trips of a subscriber happen on the
 ingestion thread without either lock.
 
 The ingestion seam (for the Redis state backend and anything else that wants
@@ -81,7 +79,13 @@ from tokenspeed_router.server.config import ServerConfig, SubscriberSpec, Worker
 from tokenspeed_router.server.decision_log import DecisionLogCollector, DecisionLogWriter
 from tokenspeed_router.server.explain import ExplainSampler, ExplainStats, ExplainStatsCollector
 from tokenspeed_router.server.ingest_loop import IngestLoop
-from tokenspeed_router.server.metrics import ServiceMetrics, WorkerSample, WorkerStateCollector
+from tokenspeed_router.server.metrics import (
+    IndexCoreCollector,
+    IngestQueueCollector,
+    ServiceMetrics,
+    WorkerSample,
+    WorkerStateCollector,
+)
 from tokenspeed_router.server.worker_report import worker_entries, worker_samples
 from tokenspeed_router.server.workers import WorkerRegistry
 
@@ -191,6 +195,10 @@ class RouterService:
         self._lock = threading.RLock()  # re-entered by _on_state_change under the writers below
         self.metrics = ServiceMetrics(self._lock)
         self.metrics.add_collector(WorkerStateCollector(self._worker_samples))
+        self.metrics.add_collector(IndexCoreCollector(lambda: self._index.implementation))
+        self.metrics.add_collector(
+            IngestQueueCollector(lambda: self._loop.queue_stats() if self._loop is not None else {})
+        )
         self._wall_clock = wall_clock
         self._started_s = time.monotonic()
         self._own_context = context is None
@@ -266,11 +274,13 @@ class RouterService:
             on_error=self.metrics.ingest_errors.inc,
             stale_after_s=self.config.stale_after_s,
             replay_timeout_s=self.config.replay_timeout_s,
+            max_lag_s=self.config.ingest_max_lag_s,
+            queue_capacity=self.config.ingest_queue,
         )
         self._loop.start(subs if self._ingesting else [])
         self._serving = True
         self._notify_loop_changed()
-        logger.info("router service started with %d stream(s)", len(subs))
+        logger.info("router service started with %d stream(s), index core %s", len(subs), self._index.implementation)
 
     def _abort_start(self) -> None:
         """Undo a partial :meth:`start` (best effort, never raises)."""
@@ -437,13 +447,10 @@ class RouterService:
                 if isinstance(item, BatchReceived) and item.replayed:
                     replayed = self._workers.replayed
                     replayed[item.worker] = replayed.get(item.worker, 0) + 1
-                if not self._index.concurrent_reads:
-                    self._ingestor.on_item(item)
-            if self._index.concurrent_reads:
-                self._ingestor.on_item(item)  # the core locks per event: queries run meanwhile
-            if isinstance(item, BatchReceived) and item.batch.ts > 0:
+            self._ingestor.on_item(item)  # the index locks per event: queries run meanwhile
+            if isinstance(item, BatchReceived) and item.batch_ts > 0:
                 # publisher's timestamp -> visible to queries (same host clock assumed)
-                self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch.ts))
+                self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch_ts))
 
     def apply_record(
         self, worker: str, seq: int, batch: KVEventBatch, recv_time_s: float, *, payload: bytes | None = None
@@ -452,10 +459,7 @@ class RouterService:
         with self._ingest_lock:
             with self._lock:
                 self._ensure_worker(worker)
-                if not self._index.concurrent_reads:
-                    self._ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
-            if self._index.concurrent_reads:
-                self._ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
+            self._ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
 
     def _ensure_worker(self, name: str) -> None:
         # under the lock
@@ -578,16 +582,10 @@ class RouterService:
         :class:`~tokenspeed_router.errors.WireError` for token ids that cannot be hashed.
         """
         t0 = time.perf_counter()
-        index = self._index
-        if index.concurrent_reads:
-            # The native core locks each query and each event itself: a
-            # match never waits behind a whole batch held under our lock.
-            detail = index.match_detail(token_ids, lora_id=lora_id, salt=salt)
-            self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
-        else:
-            with self._lock:
-                detail = index.match_detail(token_ids, lora_id=lora_id, salt=salt)
-                self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
+        # The index locks each query and each event itself: a match never
+        # waits behind a whole batch, and takes no lock of ours.
+        detail = self._index.match_detail(token_ids, lora_id=lora_id, salt=salt)
+        self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
         return detail
 
     def route(
@@ -661,11 +659,12 @@ class RouterService:
         now = self._wall_clock()
         connected = self._loop.connected() if self._loop is not None else {}
         stats = self._loop.statistics() if self._loop is not None else {}
+        lag = self._loop.lag() if self._loop is not None else {}
         with self._lock:
             peers = self._peer_load.peers() if self._peer_load is not None else {}
             out = worker_entries(
                 self._workers, self._index, self._ingestor.statuses(), self._router.load(), stats, connected, now,
-                peers=peers,
+                peers=peers, ingest_lag=lag,
             )
         if self._peer_load is not None:
             # other replicas' in-flight work: "shared", or "degraded" (Redis down: local view only)
@@ -684,6 +683,7 @@ class RouterService:
         ``ok``/``degraded`` (see ``server/http.py``).
         """
         state = self._state_health() if self._state_health is not None else None
+        lag = self._loop.lag() if self._loop is not None else {}
         problems: list[str] = []
         if self._workers.streams:
             with self._lock:
@@ -702,8 +702,11 @@ class RouterService:
             "problems": problems,
             "uptime_s": round(time.monotonic() - self._started_s, 3),
             "workers": len(self._workers.roles),
+            "index_core": self._index.implementation,  # native, or reference (pure Python: slow)
             "ingesting": self._loop is not None and self._loop.running,  # the loop runs
             "subscribed": self._ingesting,  # False while a replicated backend leads elsewhere
+            # streams whose events reach the index late (informational: still served, see /workers)
+            "lagging": sorted(n for n, st in lag.items() if st.lagging),
             **({"state": state} if state is not None else {}),
         }
 
@@ -768,9 +771,10 @@ class RouterService:
     def _worker_samples(self) -> Iterator[WorkerSample]:
         now = self._wall_clock()
         stats = self._loop.statistics() if self._loop is not None else {}
+        lag = self._loop.lag() if self._loop is not None else {}
         with self._lock:
             samples = worker_samples(self._workers, self._index, self._ingestor.statuses(), stats, now,
-                                     self._router.load())
+                                     self._router.load(), lag)
         return iter(samples)
 
     @contextmanager

@@ -24,6 +24,12 @@ decisions) the line is dropped and counted,
 ``tokenspeed_decision_log_dropped_total{reason="queue_full"}``; a failed
 write counts as ``reason="write_error"``. Routing never waits on the file.
 
+Each line is one unbuffered ``write`` to a file opened for appending: a
+line is in the file as soon as it is written (a reader following the file
+never sees a line cut by a buffer boundary, except the one being written),
+and several processes appending to one file (``serve --processes N`` with
+one ``--decision-log``) never interleave inside a line.
+
 Size: the file rotates when the next line would take it past
 ``--decision-log-max-bytes`` (default 256 MiB): ``FILE`` becomes ``FILE.1``
 (replacing an older one) and a new ``FILE`` starts, so the log never takes
@@ -117,7 +123,7 @@ class DecisionLogWriter:
         self._max_bytes = max_bytes
         self._max_queue = max_queue
         try:
-            self._fh = open(path, "ab")  # noqa: SIM115 - owned by the writer thread until close()
+            self._fh = open(path, "ab", buffering=0)  # noqa: SIM115 - owned by the writer thread until close()
         except OSError as err:
             raise ConfigError(f"cannot write the decision log {path!r}: {err}") from err
         self._size = self._fh.tell()
@@ -170,7 +176,6 @@ class DecisionLogWriter:
         while True:
             self._wake.wait()
             self._wake.clear()
-            wrote = False
             while pending:
                 decision, time_s, cause, token_ids, lora_id, salt = pending.popleft()
                 try:
@@ -179,12 +184,7 @@ class DecisionLogWriter:
                 except Exception as err:  # a decision this version cannot encode: count it, keep going
                     self._write_failed(f"encoding a decision failed: {err!r}")
                     continue
-                wrote |= self._write(line + b"\n")
-            if wrote:
-                try:
-                    self._fh.flush()
-                except OSError as err:
-                    self._write_failed(f"flush failed: {err}")
+                self._write(line + b"\n")
             if self._closed and not pending:
                 return
 
@@ -192,7 +192,12 @@ class DecisionLogWriter:
         try:
             if self._size and self._size + len(data) > self._max_bytes:
                 self._rotate()
-            self._fh.write(data)
+            view = memoryview(data)
+            while view:  # one write in practice; a short write (disk nearly full) is finished, not lost
+                n = self._fh.write(view)
+                if not n:
+                    raise OSError("the file took no bytes")
+                view = view[n:]
         except OSError as err:
             self._write_failed(f"write failed: {err}")
             return False
@@ -204,7 +209,7 @@ class DecisionLogWriter:
     def _rotate(self) -> None:
         self._fh.close()
         os.replace(self.path, self.path + ".1")
-        self._fh = open(self.path, "ab")  # noqa: SIM115
+        self._fh = open(self.path, "ab", buffering=0)  # noqa: SIM115
         self._size = 0
         self.counters.rotations += 1
         logger.info("decision log %s rotated to %s.1", self.path, self.path)
@@ -214,7 +219,7 @@ class DecisionLogWriter:
         self._limiter.log(logging.WARNING, "write", "decision log %s: %s (line dropped)", self.path, message)
         if self._fh.closed:  # a rotation failed half way: reopen and carry on
             try:
-                self._fh = open(self.path, "ab")  # noqa: SIM115
+                self._fh = open(self.path, "ab", buffering=0)  # noqa: SIM115
                 self._size = self._fh.tell()
             except OSError:
                 pass

@@ -26,7 +26,13 @@ from tokenspeed_router.sim.report import (
     try_write_plots,
     write_results,
 )
-from tokenspeed_router.sim.runner import Interrupted, ProgressBar, run_policies, sweep
+from tokenspeed_router.sim.runner import (
+    Interrupted,
+    ProgressBar,
+    ReplicaOptions,
+    run_policies,
+    sweep,
+)
 from tokenspeed_router.sim.traces import (
     MOONCAKE_BLOCK_TOKENS,
     TraceRequest,
@@ -35,6 +41,7 @@ from tokenspeed_router.sim.traces import (
     trace_summary,
 )
 from tokenspeed_router.sim.workload import WorkloadConfig, generate_workload
+from tokenspeed_router.timing import PROFILES
 
 __all__ = ["add_arguments", "load_requests", "parse_router_options", "run"]
 
@@ -69,6 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--capacity-tokens", type=int, default=400_000, help="KV cache per worker (tokens)")
     c.add_argument("--block-size", type=int, default=16, help="cache page size (tokens)")
     c.add_argument("--eviction-policy", default="lru", help="lru, lfu, fifo, mru, filo, priority")
+    c.add_argument("--timing", choices=PROFILES, default="fifo",
+                   help="engine scheduler profile, the one engine-sim --timing runs: fifo = one "
+                        "prefill at a time (overhead + uncached / rate), decode without contention; "
+                        "chunked = vLLM-style steps with a token budget (default fifo)")
+    c.add_argument("--max-batched-tokens", type=int, default=2048,
+                   help="chunked profile: token budget per step (default 2048)")
+    c.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once per worker")
     c.add_argument("--prefill-rate", type=float, default=10_000.0, help="prefill tokens/s per worker")
     c.add_argument("--prefill-overhead-ms", type=float, default=20.0, help="fixed cost per prefill")
     c.add_argument("--decode-ms-per-token", type=float, default=20.0, help="time per output token")
@@ -79,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--event-loss", type=float, default=0.0,
                    help="probability that an event batch is lost (no replay)")
     c.add_argument("--seed", type=int, default=0, help="seed of every RNG in the run")
+    c.add_argument("--replicas", type=int, default=1,
+                   help="N router replicas split the requests round-robin (each follows every engine)")
+    c.add_argument("--replica-delay-ms", type=float, default=2.0,
+                   help="how late one replica's in-flight work reaches the others (Redis Pub/Sub: ~2 ms)")
+    c.add_argument("--replica-sharing", choices=["all", "load", "none"], default="all",
+                   help="what replicas share: load and route predictions (all), load only, or nothing")
     p = parser.add_argument_group("policies and output")
     p.add_argument("--policies", default=",".join(POLICY_ORDER),
                    help="comma-separated subset of " + ", ".join(POLICY_ORDER))
@@ -146,7 +166,10 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterConfig:
             prefill_overhead_s=args.prefill_overhead_ms / 1000.0,
             decode_s_per_token=args.decode_ms_per_token / 1000.0,
             kv_transfer_tokens_per_s=args.kv_transfer_rate,
+            profile=args.timing,
+            max_batched_tokens=args.max_batched_tokens,
         ),
+        max_num_seqs=args.max_num_seqs,
         event_delay_s=args.event_delay_ms / 1000.0,
         event_loss_rate=args.event_loss,
         seed=args.seed,
@@ -226,6 +249,12 @@ def run(args: argparse.Namespace) -> int:
           f"{stats['ideal_hit_ratio']:.1%}", file=sys.stderr)
     bar = None if args.quiet else ProgressBar()
     signal = not args.no_prefill_signal
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.replica_delay_ms < 0:
+        raise ConfigError(f"--replica-delay-ms must be >= 0, got {args.replica_delay_ms}")
+    replicas = ReplicaOptions(args.replicas, args.replica_delay_ms / 1000.0,
+                              None if args.replica_sharing == "none" else args.replica_sharing)
     if args.event_loss > 0 or args.sweep_event_loss:
         # Losses are deliberate here: one resync warning per lost batch would bury the table.
         ingest_log = logging.getLogger("tokenspeed_router.router.ingest")
@@ -233,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     interrupted = False
     try:
         runs = run_policies(policies, requests, cluster, router_options=router_options,
-                            signal_prefill_done=signal, progress=bar)
+                            signal_prefill_done=signal, progress=bar, replicas=replicas)
     except Interrupted as stop:
         if not stop.finished:
             raise
@@ -260,6 +289,9 @@ def run(args: argparse.Namespace) -> int:
         "prefill_overhead_s": cluster.cost.prefill_overhead_s,
         "decode_s_per_token": cluster.cost.decode_s_per_token,
         "kv_transfer_tokens_per_s": cluster.cost.kv_transfer_tokens_per_s,
+        "timing": cluster.cost.profile,
+        "max_batched_tokens": cluster.cost.max_batched_tokens,
+        "max_num_seqs": cluster.max_num_seqs,
         "event_delay_s": cluster.event_delay_s,
         "event_loss_rate": cluster.event_loss_rate,
         "seed": cluster.seed,
@@ -269,6 +301,9 @@ def run(args: argparse.Namespace) -> int:
         "max_requests": args.max_requests,
         "router_options": router_options,
         "prefill_done_signal": signal,
+        "replicas": args.replicas,
+        "replica_delay_s": replicas.delay_s if args.replicas > 1 else None,
+        "replica_sharing": args.replica_sharing if args.replicas > 1 else None,
         "interrupted": interrupted,
     }
     doc = results_document(trace=trace_name, workers=cluster.num_workers, runs=runs,

@@ -1,36 +1,37 @@
-"""Simulated cluster: real worker caches, a cost model, one FIFO queue each.
+"""Simulated cluster: real worker caches, the engines' own scheduler, a virtual clock.
 
 Every simulated worker owns a real :class:`~tokenspeed_router.cache.PrefixCache`
-with a finite number of pages and its eviction policy; admitting a request to
-it yields the real hit length and the real KV events (``BlockStored`` /
-``BlockRemoved``) that an engine would publish. Only *time* is modelled:
+with a finite number of pages and its eviction policy, and the scheduler that
+``engine-sim`` runs (:class:`~tokenspeed_router.engine_model.EngineCore`):
+admission locks a request's prefix at its prefill start (evictions are
+published then), its blocks are stored when its prefill ends (``BlockStored``
+published then) and stay pinned until its last token. Only *time* is
+modelled, by the timing model ``engine-sim`` shares
+(:mod:`tokenspeed_router.timing`), in one of its profiles:
 
-* **prefill** of a request takes ``overhead + uncached_tokens / prefill_rate``
-  on its worker, which serves one prefill at a time in arrival order (FIFO).
-  Defaults (:class:`CostModel`): 10,000 tokens/s + 20 ms, the rate used by
+* ``fifo`` (the default): one prefill at a time per worker in arrival order,
+  ``overhead + uncached_tokens / prefill_rate``; decode one token every
+  ``decode_s_per_token`` beside it, without contention. Defaults
+  (:class:`CostModel`): 10,000 tokens/s + 20 ms, the rate used by
   ``research/trace_stats.py`` and the low end of what an 8B model reaches on
   one H100-class GPU (16 GFLOP/token at 989 TFLOPS and 40-55 % MFU gives
   25-35 k tokens/s for short prompts; long prompts pay the quadratic
-  attention term, so an effective 10-20 k tokens/s is a fair average);
-* **decode** takes ``output_length * decode_s_per_token`` (20 ms TPOT, an 8B
-  model at moderate batch); it runs batched beside prefill, so it does not
-  block the prefill queue, but the request stays in flight until it ends;
-* **disaggregated** runs add a decode pool: the prompt's KV moves from the
-  prefill worker to the decode worker at ``kv_transfer_tokens_per_s``
-  (400 k tokens/s: 128 KiB/token for an 8B model over ~50 GB/s RDMA), only for
-  the tokens the decode worker does not already hold; the transfer is part of
-  TTFT.
+  attention term, so an effective 10-20 k tokens/s is a fair average), and
+  20 ms TPOT (an 8B model at moderate batch);
+* ``chunked``: vLLM-style steps with a token budget, decode batched with
+  prefill chunks (see :mod:`tokenspeed_router.timing`).
 
-Because each worker's cache is touched only by its own requests, in FIFO
-order, admitting at routing time yields the same cache state sequence as
-admitting at prefill start, and lets the prefill duration be known at once.
-The events, however, become visible when the engine would publish them:
-evictions at prefill start, stores at prefill end, each plus the configured
-event delay (and dropped with the configured loss probability).
+**Disaggregated** runs add a decode pool: the prompt's KV moves from the
+prefill worker to the decode worker at ``kv_transfer_tokens_per_s``
+(400 k tokens/s: 128 KiB/token for an 8B model over ~50 GB/s RDMA), only for
+the tokens the decode worker does not already hold; the transfer is part of
+TTFT. A decode worker is a cache without a prefill queue.
 
-The run is a discrete-event loop over a virtual clock; :class:`Pacer` lets
-the same loop run in real time for the live mode. No global state: the RNG
-and the clock are owned by the :class:`Simulator` instance.
+Events become visible when the engine publishes them plus the configured
+event delay (and are dropped with the configured loss probability). The run
+is a discrete-event loop over a virtual clock; :class:`Pacer` lets the same
+loop run in real time for the live mode. No global state: the RNG and the
+clock are owned by the :class:`Simulator` instance.
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tokenspeed_router.engine_model import EngineCore, ModelRequest, reported_hit
 from tokenspeed_router.errors import ConfigError
-from tokenspeed_router.events.schema import BlockRemoved, Event
+from tokenspeed_router.events.schema import Event
 from tokenspeed_router.sim.traces import TokenSynthesizer, TraceRequest
+from tokenspeed_router.timing import PROFILES, Profile, TimingModel
 
 __all__ = [
     "ClusterConfig",
@@ -66,21 +69,39 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CostModel:
-    """How work turns into time (see the module docstring for the sources)."""
+    """How work turns into time (see the module docstring for the sources).
+
+    ``profile``, ``decode_batch_cost`` and ``max_batched_tokens`` are the
+    shared timing model's (:meth:`timing`); the chunked profile's overhead
+    is per step that prefills.
+    """
 
     prefill_tokens_per_s: float = 10_000.0
     prefill_overhead_s: float = 0.020
     decode_s_per_token: float = 0.020
     kv_transfer_tokens_per_s: float = 400_000.0
+    profile: Profile = "fifo"
+    decode_batch_cost: float = 0.02
+    max_batched_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.kv_transfer_tokens_per_s <= 0:
             raise ConfigError("prefill and transfer rates must be > 0")
         if self.prefill_overhead_s < 0 or self.decode_s_per_token < 0:
             raise ConfigError("overhead and decode time must be >= 0")
+        if self.profile not in PROFILES:
+            raise ConfigError(f"timing profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
+
+    def timing(self) -> TimingModel:
+        """The engines' timing model (modelled seconds: time scale 1)."""
+        return TimingModel(profile=self.profile, prefill_tokens_per_s=self.prefill_tokens_per_s,
+                           prefill_overhead_s=self.prefill_overhead_s,
+                           decode_s_per_token=self.decode_s_per_token,
+                           decode_batch_cost=self.decode_batch_cost,
+                           max_batched_tokens=self.max_batched_tokens)
 
     def prefill_s(self, uncached_tokens: int) -> float:
-        """Service time of one prefill with ``uncached_tokens`` to compute."""
+        """Service time of one whole prefill with ``uncached_tokens`` to compute (FIFO)."""
         return self.prefill_overhead_s + max(0, uncached_tokens) / self.prefill_tokens_per_s
 
 
@@ -104,8 +125,12 @@ class ClusterConfig:
     event_loss_rate: float = 0.0
     seed: int = 0
     token_key: int = 0
+    #: requests running at once per worker (engine-sim's ``--max-num-seqs``)
+    max_num_seqs: int = 64
 
     def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ConfigError("max_num_seqs must be > 0")
         if self.num_workers <= 0 or self.num_decode_workers < 0:
             raise ConfigError("num_workers must be > 0 and num_decode_workers >= 0")
         if self.page_size <= 0 or self.capacity_tokens < self.page_size:
@@ -133,34 +158,82 @@ def _make_cache(config: ClusterConfig) -> Any:
         page_size=config.page_size,
         eviction_policy=config.eviction_policy,
         enable_kv_cache_events=True,
-        max_num_reqs=2,  # admit() holds one request at a time
+        max_num_reqs=config.max_num_seqs + 1,  # the scheduler's running requests (+ a decode admit)
         max_context_len=config.capacity_tokens,  # never truncate a prompt that fits
         debug_checks=False,  # page-accounting asserts cost time and are tested elsewhere
     )
 
 
 class SimWorker:
-    """One simulated engine: a real prefix cache plus a FIFO prefill queue."""
+    """One simulated engine: a real prefix cache and, unless it only decodes, its scheduler."""
 
-    __slots__ = ("busy_s", "cache", "free_at", "name", "num_requests", "role", "seq")
+    __slots__ = ("cache", "core", "decode_busy_s", "name", "num_requests", "role", "seq")
 
-    def __init__(self, name: str, role: str, cache: Any) -> None:
+    def __init__(self, name: str, role: str, cache: Any, core: EngineCore | None = None) -> None:
         self.name = name
         self.role = role
         self.cache = cache
-        self.free_at = 0.0  # virtual time at which the prefill queue drains
-        self.busy_s = 0.0  # total prefill service time given
+        self.core = core
+        self.decode_busy_s = 0.0  # a decode worker's own short prefills (no queue)
         self.num_requests = 0
         self.seq = 0  # next event-batch sequence number
 
+    @property
+    def busy_s(self) -> float:
+        """Total prefill service time given (modelled seconds)."""
+        return self.decode_busy_s + (self.core.busy_s if self.core is not None else 0.0)
+
     def backlog_s(self, now: float) -> float:
-        """Seconds of queued prefill work ahead of a request arriving now."""
-        return max(0.0, self.free_at - now)
+        """Seconds of queued prefill work ahead of a request arriving now (an estimate)."""
+        return self.core.backlog_s(now) if self.core is not None else 0.0
+
+    def expected_hit_tokens(self, tokens: np.ndarray, cached_tokens: int) -> int:
+        """What a request routed here now will find cached at its prefill start (an oracle's view).
+
+        ``cached_tokens`` is the cache's read-only probe now; the prompts queued
+        or prefilling ahead of it (FIFO) will be cached by then too (unless
+        evicted meanwhile). Capped as engines report it (the last token is
+        always computed).
+        """
+        best = cached_tokens
+        if self.core is not None:
+            page = self.cache.page_size
+            for r in (*self.core.running, *self.core.waiting):
+                if r.prefilled:
+                    continue
+                other = r.prompt
+                n = min(len(other), len(tokens))
+                if n <= best:
+                    continue
+                diff = np.flatnonzero(np.asarray(other[:n]) != tokens[:n])
+                common = int(diff[0]) if diff.size else n
+                best = max(best, common // page * page)
+        return reported_hit(best, len(tokens), self.cache.page_size)
 
     def admit(self, tokens: np.ndarray) -> tuple[int, list[Event]]:
-        """Admit a prompt to the cache: (hit tokens, events it caused)."""
+        """Serve a prompt start to finish in the cache at once: (hit tokens, events it caused)."""
         hit = int(self.cache.admit(tokens))
         return hit, list(self.cache.take_events())
+
+
+class _CoreListener:
+    """One worker's scheduler telling the simulator what happened (see ``Simulator``)."""
+
+    __slots__ = ("sim", "worker")
+
+    def __init__(self, sim: Simulator, worker: SimWorker) -> None:
+        self.sim = sim
+        self.worker = worker
+
+    def tokens(self, r: ModelRequest, count: int, t: float) -> None:
+        if r.num_output == count:  # its first token
+            self.sim._first_token(self.worker, r, t)
+
+    def prefill_done(self, r: ModelRequest, t: float) -> None:
+        return None  # its BlockStored events go out with the step's batch
+
+    def done(self, r: ModelRequest, reason: str, t: float) -> None:
+        self.sim._request_done(r, t)
 
 
 class WorkerView(Protocol):
@@ -236,10 +309,11 @@ class RunResult:
     wall_s: float = 0.0
 
 
-# Heap item kinds, ordered so that at equal times events are delivered before
-# a request completes and completions before the next arrival is routed.
-# A disaggregated decode worker's admission (KV arrival) comes first.
-_ADMIT, _DELIVER, _PREFILL_DONE, _FINISH = 0, 1, 2, 3
+# Heap item kinds, ordered so that at equal times the engines step first, then
+# events are delivered, then a request completes, and completions come before
+# the next arrival is routed. A disaggregated decode worker's admission (KV
+# arrival) comes right after the engines' steps.
+_ENGINE, _ADMIT, _DELIVER, _PREFILL_DONE, _FINISH = 0, 1, 2, 3, 4
 
 
 class Simulator:
@@ -262,7 +336,14 @@ class Simulator:
         self.config = config
         self._synth = synthesizer or TokenSynthesizer(key=config.token_key)
         role = "prefill" if config.disaggregated else "both"
-        self._prefill = [SimWorker(n, role, cache_factory(config)) for n in config.worker_names()]
+        timing = config.cost.timing()
+        self._prefill = []
+        for n in config.worker_names():
+            worker = SimWorker(n, role, cache_factory(config))
+            worker.core = EngineCore(timing, worker.cache, _CoreListener(self, worker),
+                                     block_size=config.page_size, max_num_seqs=config.max_num_seqs,
+                                     token_events=False)
+            self._prefill.append(worker)
         self._decode = [SimWorker(n, "decode", cache_factory(config)) for n in config.decode_names()]
         self._all = [*self._prefill, *self._decode]
         self._by_name = {w.name: w for w in self._all}
@@ -274,6 +355,14 @@ class Simulator:
         self._sample_every_s = load_sample_every_s
         self._published = 0  # event batches numbered in the current run
         self._lost = 0  # of which dropped by the loss model
+        #: per request of the current run: its decode worker (disaggregated), output length
+        self._decode_of: dict[int, SimWorker] = {}
+        self._ttft = np.zeros(0)
+        self._queue = np.zeros(0)
+        self._hits = np.zeros(0, dtype=np.int64)
+        self._output: list[int] = []
+        #: the time of each worker's one valid scheduled engine event
+        self._engine_at: dict[str, float] = {}
 
     # WorkerView ------------------------------------------------------------
     def now(self) -> float:
@@ -302,7 +391,17 @@ class Simulator:
             when, kind, _, payload = heapq.heappop(self._heap)
             self._pacer.wait_until(when)
             self._now = max(self._now, when)
-            if kind == _DELIVER:
+            if kind == _ENGINE:
+                worker = payload
+                if self._engine_at.get(worker.name) != when:
+                    continue  # superseded by an earlier wake-up
+                del self._engine_at[worker.name]
+                worker.core.advance(when)
+                events = worker.cache.take_events()
+                if events:
+                    self._publish(worker, events, when, backend)
+                self._wake(worker)
+            elif kind == _DELIVER:
                 name, events, lost = payload
                 # Numbered when sent, so each worker's stream is in time order.
                 worker = self._by_name[name]
@@ -331,52 +430,76 @@ class Simulator:
         self._lost += lost
         self._push(visible_at + self.config.event_delay_s, _DELIVER, (worker.name, events, lost))
 
-    def _serve(self, req: TraceRequest, tokens: np.ndarray, choice: RouteChoice, now: float,
-               backend: RoutingBackend) -> tuple[SimWorker, int, float, float]:
-        """Run one routed request through its workers: (worker, hit, start, first token).
+    def _wake(self, worker: SimWorker) -> None:
+        """Schedule ``worker``'s scheduler for its next due event (one valid entry per worker)."""
+        assert worker.core is not None
+        due = worker.core.next_event_s()
+        if due is None:
+            return
+        due = max(due, self._now)
+        current = self._engine_at.get(worker.name)
+        if current is not None and current <= due:
+            return
+        self._engine_at[worker.name] = due
+        self._push(due, _ENGINE, worker)
 
-        Evictions are published at prefill start, stores at prefill end (an
-        engine announces blocks once computed). In a disaggregated run the
-        decode worker's cache takes the KV when the transfer completes; the
-        transfer moves what a read-only probe says it lacks at routing time.
+    def _first_token(self, worker: SimWorker, r: ModelRequest, t: float) -> None:
+        """A prefill ended at ``t``: TTFT (after the KV transfer when disaggregated)."""
+        cost = self.config.cost
+        i = r.tag
+        self._queue[i] = (r.admitted_s or r.arrival_s) - r.arrival_s
+        self._hits[i] = r.cached_tokens
+        first_token = t
+        dec = self._decode_of.pop(i, None)
+        if dec is not None:
+            d_hit = dec.cache.cached_prefix_length(r.prompt)
+            first_token = t + (len(r.prompt) - d_hit) / cost.kv_transfer_tokens_per_s
+            self._push(first_token, _ADMIT, (dec, r.prompt))
+            self._push(first_token + self._output[i] * cost.decode_s_per_token, _FINISH, r.request_id)
+        self._ttft[i] = first_token - r.arrival_s
+        self._push(t, _PREFILL_DONE, r.request_id)
+
+    def _request_done(self, r: ModelRequest, t: float) -> None:
+        if not r.prefill_only:
+            self._push(t, _FINISH, r.request_id)
+
+    def _serve(self, i: int, req: TraceRequest, tokens: np.ndarray, choice: RouteChoice, now: float,
+               backend: RoutingBackend) -> SimWorker:
+        """Hand one routed request to its worker; its outcome is filled in as it happens.
+
+        In a disaggregated run the prefill worker's request ends with its first
+        token and the decode worker's cache takes the KV when the transfer
+        completes; the transfer moves what a read-only probe says it lacks then.
         """
         cost = self.config.cost
         worker = self.worker(choice.worker)
-        hit, events = worker.admit(tokens)
-        if worker.role == "decode":
+        worker.num_requests += 1
+        if worker.core is None:
             # The router let a decode worker prefill a short tail itself: it does so
             # inside its running batch (no prefill queue), and its events go out at
             # once, so that its stream stays in the order its cache changed.
+            hit, events = worker.admit(tokens)
             service = cost.prefill_s(req.input_length - hit)
-            worker.busy_s += service
-            worker.num_requests += 1
+            worker.decode_busy_s += service
             self._publish(worker, events, now, backend)
+            self._hits[i] = hit
+            self._ttft[i] = service
             self._push(now + service, _PREFILL_DONE, req.request_id)
             self._push(now + service + req.output_length * cost.decode_s_per_token, _FINISH,
                        req.request_id)
-            return worker, hit, now, now + service
-        start = max(now, worker.free_at)
-        service = cost.prefill_s(req.input_length - hit)
-        end = start + service
-        worker.free_at = end
-        worker.busy_s += service
-        worker.num_requests += 1
-        split = 0
-        while split < len(events) and isinstance(events[split], BlockRemoved):
-            split += 1
-        self._publish(worker, events[:split], start, backend)
-        self._publish(worker, events[split:], end, backend)
-        first_token = end
-        if choice.decode_worker is not None and choice.decode_worker != worker.name:
+            return worker
+        remote = choice.decode_worker is not None and choice.decode_worker != worker.name
+        if remote:
+            assert choice.decode_worker is not None
             dec = self.worker(choice.decode_worker)
-            d_hit = dec.cache.cached_prefix_length(tokens)
-            first_token = end + (req.input_length - d_hit) / cost.kv_transfer_tokens_per_s
             dec.num_requests += 1
-            self._push(first_token, _ADMIT, (dec, tokens))
-        self._push(end, _PREFILL_DONE, req.request_id)
-        self._push(first_token + req.output_length * cost.decode_s_per_token, _FINISH,
-                   req.request_id)
-        return worker, hit, start, first_token
+            self._decode_of[i] = dec
+        r = ModelRequest(req.request_id, tokens, max(1, req.output_length), prefill_only=remote, tag=i,
+                         estimate_uncached=len(tokens) - worker.cache.cached_prefix_length(tokens))
+        assert worker.core is not None
+        worker.core.submit(r, now)
+        self._wake(worker)
+        return worker
 
     def run(
         self,
@@ -387,9 +510,11 @@ class Simulator:
     ) -> RunResult:
         """Replay ``requests`` (sorted by arrival) and return raw outcomes."""
         n = len(requests)
-        ttft = np.zeros(n)
-        queue = np.zeros(n)
-        hits = np.zeros(n, dtype=np.int64)
+        self._ttft = ttft = np.zeros(n)
+        self._queue = queue = np.zeros(n)
+        self._hits = hits = np.zeros(n, dtype=np.int64)
+        self._output = [r.output_length for r in requests]
+        self._decode_of = {}
         pred = np.full(n, -1, dtype=np.int64)
         inputs = np.zeros(n, dtype=np.int64)
         widx = np.zeros(n, dtype=np.int64)
@@ -411,11 +536,8 @@ class Simulator:
                 next_sample += self._sample_every_s
             tokens = self._synth.tokens(req)
             choice = backend.route(req, tokens)
-            worker, hit, start, first_token = self._serve(req, tokens, choice, now, backend)
+            worker = self._serve(i, req, tokens, choice, now, backend)
             arrivals[i] = t
-            ttft[i] = first_token - now
-            queue[i] = start - now
-            hits[i] = hit
             inputs[i] = req.input_length
             widx[i] = index_of[worker.name]
             if choice.predicted_hit_tokens is not None:

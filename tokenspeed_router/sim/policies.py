@@ -130,7 +130,7 @@ class OracleBackend:
         best_cost = float("inf")
         pages = _Pages(tokens)
         for w in self._view.prefill_workers():
-            hit = w.cache.cached_prefix_pages(pages.get(w.cache.page_size))
+            hit = w.expected_hit_tokens(tokens, w.cache.cached_prefix_pages(pages.get(w.cache.page_size)))
             est = w.backlog_s(now) + self._cost.prefill_s(request.input_length - hit)
             if est < best_cost - 1e-12:
                 best, best_cost = [(w, hit)], est

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 from tokenspeed_router.sim.cluster import ClusterConfig, RunResult, Simulator
@@ -82,6 +82,17 @@ class ProgressBar:
         self._stream.flush()
 
 
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """``simulate --replicas N``: N routers split the requests round-robin (``sim/replicas.py``)."""
+
+    count: int = 1
+    delay_s: float = 0.002
+    """How late one replica's messages reach the others (Redis Pub/Sub's median here)."""
+    share: str | None = "all"
+    """``all`` (load + route predictions), ``load``, or None (nothing shared)."""
+
+
 def run_policy(
     policy: str,
     requests: Sequence[TraceRequest],
@@ -92,11 +103,20 @@ def run_policy(
     synthesizer: TokenSynthesizer | None = None,
     progress: Callable[[int, int], None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    replicas: ReplicaOptions | None = None,
 ) -> RunResult:
-    """One fast-mode run of ``policy`` on fresh workers."""
+    """One fast-mode run of ``policy`` on fresh workers (``replicas``: N routers splitting it)."""
     sim = Simulator(cluster, synthesizer=synthesizer)
-    backend = make_backend(policy, cluster, sim, router_options=router_options,
-                           signal_prefill_done=signal_prefill_done)
+    backend: Any
+    if replicas is not None and replicas.count > 1 and policy != "oracle":
+        from tokenspeed_router.sim.replicas import ReplicaSet
+
+        backend = ReplicaSet(replicas.count, cluster, sim, share=replicas.share, delay_s=replicas.delay_s,
+                             policy=policy, router_options=router_options,
+                             signal_prefill_done=signal_prefill_done)
+    else:
+        backend = make_backend(policy, cluster, sim, router_options=router_options,
+                               signal_prefill_done=signal_prefill_done)
     started = clock()
     result = sim.run(requests, backend, progress=progress)
     result.wall_s = clock() - started
@@ -111,6 +131,7 @@ def run_policies(
     router_options: dict[str, Any] | None = None,
     signal_prefill_done: bool = True,
     progress: ProgressBar | None = None,
+    replicas: ReplicaOptions | None = None,
 ) -> dict[str, RunResult]:
     """Run each policy in turn; one token synthesizer is shared (it is pure)."""
     synth = TokenSynthesizer(key=cluster.token_key)
@@ -121,7 +142,7 @@ def run_policies(
         try:
             out[policy] = run_policy(policy, requests, cluster, router_options=router_options,
                                      signal_prefill_done=signal_prefill_done,
-                                     synthesizer=synth, progress=progress)
+                                     synthesizer=synth, progress=progress, replicas=replicas)
         except KeyboardInterrupt:
             raise Interrupted(dict(out)) from None
     return out

@@ -1,0 +1,255 @@
+"""Sim-to-live parity: one trace slice through ``simulate`` and through engine-sims + the gateway.
+
+Both sides run the same engine model (``tokenspeed_router/engine_model.py``,
+timed by ``tokenspeed_router/timing.py``) with the same profile, workers
+named alike (``w0`` …), the same token ids and the same router policy and
+options; what only the live side has is real processes: HTTP, the KV event
+transport and its lag, the gateway's load accounting (when a prefill counts
+as done, when a request is released) and its truth loop. So where the two
+disagree beyond noise, the live path does something the router in process
+does not, and that is a bug to fix there.
+
+* **simulate** — :class:`~tokenspeed_router.sim.cluster.Simulator` with the
+  real ``Router`` (``RouterBackend``), on the virtual clock, the first token
+  signalled at prefill end (what a streaming gateway sees);
+* **live** — one ``engine-sim --timing PROFILE --time-scale K`` per worker,
+  one ``serve`` gateway (``url=`` workers) whose time constants are divided
+  by K like the engines' clock (``clock_scaled_router_flags``), and
+  ``loadgen``'s open-loop replay with arrivals divided by K. The live TTFT
+  compared is the engine's own, in modelled seconds
+  (``usage.engine_timing.modelled_ttft_s``): what the routing decisions
+  caused, free of the wall-clock noise of a loaded machine (an engine-sim
+  whose loop is starved fires its timers late; times K, 10 ms late is 40
+  modelled ms). The client's TTFT (wall x K) and the router-added latency
+  (client - engine, wall) are reported beside it, not compared.
+
+:func:`compare` checks per-worker request counts, hit ratio and TTFT p50 /
+p99 against :class:`Tolerances` (docs/compare-routers.md says why those).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tokenspeed_router.loadgen.fleet import EngineSimOptions, Fleet, clock_scaled_router_flags
+from tokenspeed_router.loadgen.prompts import PromptBuilder, PromptConfig
+from tokenspeed_router.loadgen.replay import ReplayConfig, replay, warm_up
+from tokenspeed_router.percentiles import percentile
+from tokenspeed_router.sim.cluster import ClusterConfig, CostModel, Simulator
+from tokenspeed_router.sim.policies import RouterBackend
+from tokenspeed_router.sim.traces import TraceRequest
+from tokenspeed_router.timing import Profile, TimingModel
+
+__all__ = ["ParitySetup", "SideResult", "Tolerances", "compare", "format_comparison", "live_side", "prepare",
+           "simulate_side"]
+
+MODEL = "tokenspeed-sim"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParitySetup:
+    """One cluster, described once for both sides (modelled seconds)."""
+
+    num_workers: int = 4
+    capacity_tokens: int = 12_500
+    block_size: int = 16
+    timing: Profile = "fifo"
+    prefill_tokens_per_s: float = 2_500.0
+    prefill_overhead_s: float | None = None
+    decode_s_per_token: float = 0.02
+    max_output_tokens: int = 16
+    #: live engines and arrivals run this many times faster than modelled
+    time_scale: float = 4.0
+    #: the simulator's event delay in *wall* seconds of the live side (x time_scale modelled)
+    event_lag_wall_s: float = 0.002
+    policy: str = "kv_aware"
+    router_options: tuple[tuple[str, Any], ...] = ()
+
+    def timing_model(self) -> TimingModel:
+        return TimingModel(profile=self.timing, prefill_tokens_per_s=self.prefill_tokens_per_s,
+                           prefill_overhead_s=self.prefill_overhead_s,
+                           decode_s_per_token=self.decode_s_per_token)
+
+    def worker_names(self) -> list[str]:
+        return [f"w{i}" for i in range(self.num_workers)]
+
+
+@dataclass
+class SideResult:
+    """One side's per-request outcomes (TTFT in modelled seconds)."""
+
+    name: str
+    workers: list[str | None]
+    ttft_s: list[float | None]
+    cached_tokens: list[int | None]
+    prompt_tokens: list[int]
+    errors: int = 0
+    #: live side only: the client's TTFT (wall x time scale) and the router-added latency (wall)
+    client_ttft_s: list[float | None] = dataclasses.field(default_factory=list)
+    router_added_s: list[float | None] = dataclasses.field(default_factory=list)
+
+    def per_worker(self, names: Sequence[str]) -> dict[str, int]:
+        counts = Counter({n: 0 for n in names})
+        counts.update(w for w in self.workers if w is not None)
+        return dict(sorted(counts.items()))
+
+    def hit_ratio(self) -> float:
+        pairs = [(c, p) for c, p in zip(self.cached_tokens, self.prompt_tokens, strict=True) if c is not None]
+        total = sum(p for _, p in pairs)
+        return sum(c for c, _ in pairs) / total if total else 0.0
+
+    def ttft(self, q: float) -> float:
+        values = [t for t in self.ttft_s if t is not None]
+        return percentile(values, q) if values else float("nan")
+
+
+def prepare(requests: Sequence[TraceRequest], setup: ParitySetup) -> list[TraceRequest]:
+    """The slice both sides replay: arrivals from 0, outputs capped (``max_tokens`` = output length)."""
+    if not requests:
+        return []
+    t0 = requests[0].arrival_s
+    return [replace(r, arrival_s=r.arrival_s - t0,
+                    output_length=max(1, min(r.output_length, setup.max_output_tokens)))
+            for r in requests]
+
+
+def simulate_side(requests: Sequence[TraceRequest], setup: ParitySetup) -> SideResult:
+    """The slice through ``simulate``'s engine model and the in-process router."""
+    t = setup.timing_model()
+    cluster = ClusterConfig(
+        num_workers=setup.num_workers, capacity_tokens=setup.capacity_tokens, page_size=setup.block_size,
+        cost=CostModel(profile=setup.timing, prefill_tokens_per_s=setup.prefill_tokens_per_s,
+                       prefill_overhead_s=t.overhead_s, decode_s_per_token=setup.decode_s_per_token),
+        event_delay_s=setup.event_lag_wall_s * setup.time_scale,
+    )
+    sim = Simulator(cluster)
+    backend = RouterBackend(setup.policy, cluster, sim, router_options=dict(setup.router_options),
+                            signal_prefill_done=True)
+    run = sim.run(requests, backend)
+    names = run.worker_names
+    return SideResult(
+        name="simulate",
+        workers=[names[i] for i in run.worker_index.tolist()],
+        ttft_s=[float(x) for x in run.ttft_s.tolist()],
+        cached_tokens=[int(x) for x in run.hit_tokens.tolist()],
+        prompt_tokens=[int(x) for x in run.input_tokens.tolist()],
+    )
+
+
+def live_side(requests: Sequence[TraceRequest], setup: ParitySetup, log_dir: Path, *,
+              python: str | None = None, startup_timeout_s: float = 120.0) -> SideResult:
+    """The slice through engine-sims and a ``serve`` gateway, in real time (scaled)."""
+    k = setup.time_scale
+    overhead_ms = None if setup.prefill_overhead_s is None else setup.prefill_overhead_s * 1000.0
+    engine = EngineSimOptions(block_size=setup.block_size, capacity_tokens=setup.capacity_tokens,
+                              prefill_tokens_per_s=setup.prefill_tokens_per_s,
+                              decode_s_per_token=setup.decode_s_per_token, time_scale=k, model=MODEL,
+                              timing=setup.timing, prefill_overhead_ms=overhead_ms)
+    fleet_kw: dict[str, Any] = {"startup_timeout_s": startup_timeout_s}
+    if python is not None:
+        fleet_kw["python"] = python
+    extra = clock_scaled_router_flags(k)
+    for key, value in setup.router_options:
+        extra += ["--router-option", f"{key}={value}"]
+    paced = [replace(r, arrival_s=r.arrival_s / k) for r in requests]
+    builder = PromptBuilder(PromptConfig(model=MODEL, max_output_tokens=setup.max_output_tokens))
+    with Fleet(log_dir, **fleet_kw) as fleet:
+        engines = fleet.start_engines(setup.worker_names(), [engine] * setup.num_workers)
+        url = fleet.start_gateway("gateway", engines, policy=setup.policy, extra=extra)
+        warm_up(ReplayConfig(target=url), MODEL, requests=4 * setup.num_workers)
+        outcome = replay(paced, builder, ReplayConfig(target=url))
+    records = outcome.records
+    return SideResult(
+        name="live",
+        workers=[r.worker if r.ok else None for r in records],
+        ttft_s=[r.engine_modelled_ttft_s if r.ok else None for r in records],
+        cached_tokens=[r.cached_tokens if r.ok else None for r in records],
+        prompt_tokens=[r.prompt_tokens or r.input_length for r in records],
+        errors=sum(1 for r in records if not r.ok),
+        client_ttft_s=[r.ttft_s * k if r.ok and r.ttft_s is not None else None for r in records],
+        router_added_s=[r.router_added_s if r.ok else None for r in records],
+    )
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """How far live may be from simulate (see docs/compare-routers.md for why these).
+
+    ``worker_share``: the largest difference in any worker's share of the
+    requests (0.05 = 5 points), widened to ``share_sigmas`` standard
+    deviations of the difference of two binomial shares (``sqrt(2 p (1 - p)
+    / n)``, p = 1 / workers) for short slices: once one decision differs (a
+    10 ms hiccup reorders two events), later ties fall either way, and over
+    n requests the counts then differ by sampling noise alone;
+    ``hit_points``: hit ratio difference;
+    ``ttft_p50`` / ``ttft_p99``: relative TTFT difference, with an absolute
+    floor ``ttft_floor_s`` (modelled) below which a difference is noise.
+    """
+
+    worker_share: float = 0.05
+    share_sigmas: float = 2.0
+    hit_points: float = 0.03
+    ttft_p50: float = 0.25
+    ttft_p99: float = 0.35
+    ttft_floor_s: float = 0.05
+
+
+def compare(sim: SideResult, live: SideResult, names: Sequence[str],
+            tol: Tolerances = Tolerances()) -> dict[str, Any]:
+    """Rows ``{metric: {simulate, live, diff, tolerance, ok}}`` and an overall ``ok``."""
+    n_sim = max(1, sum(1 for w in sim.workers if w is not None))
+    n_live = max(1, sum(1 for w in live.workers if w is not None))
+    sim_counts, live_counts = sim.per_worker(names), live.per_worker(names)
+    share_diff = max(abs(sim_counts[w] / n_sim - live_counts[w] / n_live) for w in names)
+    p = 1.0 / max(1, len(names))
+    share_allowed = max(tol.worker_share, tol.share_sigmas * math.sqrt(2 * p * (1 - p) / n_sim))
+    rows: dict[str, Any] = {
+        "requests_per_worker": {"simulate": sim_counts, "live": live_counts, "diff": share_diff,
+                                "tolerance": share_allowed, "ok": share_diff <= share_allowed},
+    }
+    hit_diff = abs(sim.hit_ratio() - live.hit_ratio())
+    rows["hit_ratio"] = {"simulate": sim.hit_ratio(), "live": live.hit_ratio(), "diff": hit_diff,
+                         "tolerance": tol.hit_points, "ok": hit_diff <= tol.hit_points}
+    for q, rel in ((50, tol.ttft_p50), (99, tol.ttft_p99)):
+        a, b = sim.ttft(q), live.ttft(q)
+        diff = abs(a - b)
+        allowed = max(rel * a, tol.ttft_floor_s)
+        rows[f"ttft_p{q}_s"] = {"simulate": a, "live": b, "diff": diff, "tolerance": allowed,
+                                "ok": diff <= allowed}
+    client = [t for t in live.client_ttft_s if t is not None]
+    added = [a for a in live.router_added_s if a is not None]
+    info = {"client_ttft_p50_s": percentile(client, 50) if client else None,
+            "client_ttft_p99_s": percentile(client, 99) if client else None,
+            "router_added_p50_s": percentile(added, 50) if added else None,
+            "router_added_p99_s": percentile(added, 99) if added else None}
+    rows["errors"] = {"simulate": sim.errors, "live": live.errors, "diff": live.errors, "tolerance": 0,
+                      "ok": live.errors == 0}
+    return {"rows": rows, "ok": all(r["ok"] for r in rows.values()), "live_wall": info}
+
+
+def format_comparison(result: dict[str, Any]) -> str:
+    """The comparison as aligned text lines."""
+    lines = [f"{'metric':<22}{'simulate':>12}{'live':>12}{'diff':>10}{'allowed':>10}  ok"]
+    for name, row in result["rows"].items():
+        if name == "requests_per_worker":
+            lines.append(f"{name:<22}{list(row['simulate'].values())!s:>24}  "
+                         f"{list(row['live'].values())!s}")
+            lines.append(f"{'  max share diff':<22}{'':>24}{row['diff']:>10.3f}{row['tolerance']:>10.3f}  "
+                         f"{'yes' if row['ok'] else 'NO'}")
+            continue
+        fmt = (lambda v: f"{v:>12.3f}") if isinstance(row["simulate"], float) else (lambda v: f"{v:>12}")
+        lines.append(f"{name:<22}{fmt(row['simulate'])}{fmt(row['live'])}{row['diff']:>10.3f}"
+                     f"{row['tolerance']:>10.3f}  {'yes' if row['ok'] else 'NO'}")
+    info = result.get("live_wall") or {}
+    if info.get("client_ttft_p50_s") is not None:
+        lines.append(f"live, not compared: client TTFT p50 {info['client_ttft_p50_s']:.3f} s / p99 "
+                     f"{info['client_ttft_p99_s']:.3f} s (modelled); router-added p50 "
+                     f"{(info['router_added_p50_s'] or 0) * 1000:.1f} ms / p99 "
+                     f"{(info['router_added_p99_s'] or 0) * 1000:.1f} ms (wall)")
+    return "\n".join(lines)
