@@ -7,11 +7,13 @@ Run (under the bench lock on a shared machine)::
     .venv/bin/python benchmarks/bench_explain.py --baseline-ref d0ccd3a --json out.json
 
 The baseline is another commit's whole package (``--baseline-ref``, default
-``main``), exported with ``git archive`` into a temporary directory as
+``main``; for this feature's cost, this tree with the feature's commits
+reverted: tag ``ops-explain-bench-baseline``), exported with ``git archive`` into a temporary directory as
 ``tokenspeed_router_baseline`` (its imports rewritten to that name, this
 build's compiled core copied beside it) and imported into this process. So
 both versions' code paths run in one process, over one index, query by
-query in turn (rotating who goes first): machine noise hits both alike.
+query in turn, in a new random order for every query: machine noise hits
+both alike, and no row always runs right after the same other row.
 
 Workload: ``bench_router.py``'s (fixed seed, block size 16, 8 workers
 holding 1k-16k-token conversations that start with one of four 512-token
@@ -21,6 +23,8 @@ times:
 
 * ``service`` / ``service_baseline`` — ``RouterService.route``, explanation off
   (no sampler, no decision log), this version and the baseline's;
+  ``service_again`` is a second ``service`` row: the A/A control, whose ratio
+  to ``service`` is the noise floor of this measurement;
 * ``service_log_idle`` — with ``--decision-log FILE --explain-sample 0``: the
   log open, nothing sampled (what an operator who only asks now and then runs);
 * ``service_sample_1pct`` — ``--explain-sample 0.01``: every 100th decision
@@ -194,6 +198,7 @@ def _rows(pkgs: dict[str, Any], index: Any, rep: int, tmp: Path) -> tuple[dict[s
     rows: dict[str, _Row] = {}
     service_row("service_baseline", base, f"b{rep}-")
     service_row("service", this, f"t{rep}-")
+    service_row("service_again", this, f"a{rep}-")  # A/A control: the same code as "service"
     service_row("service_log_idle", this, f"l{rep}-", decision_log=str(tmp / f"idle{rep}.jsonl"), explain_sample=0.0)
     service_row("service_sample_1pct", this, f"s{rep}-", decision_log=str(tmp / f"s{rep}.jsonl"), explain_sample=0.01)
     service_row("service_explain", this, f"e{rep}-", explain=True)
@@ -227,6 +232,7 @@ class _HttpRow(_Row):
 
 
 PAIRS = (
+    ("service_vs_service_again", "service", "service_again"),
     ("service_vs_baseline", "service", "service_baseline"),
     ("service_log_idle_vs_baseline", "service_log_idle", "service_baseline"),
     ("service_sample_1pct_vs_baseline", "service_sample_1pct", "service_baseline"),
@@ -255,9 +261,10 @@ def run(num_queries: int, repeats: int, ref: str) -> dict[str, Any]:
                     row.step(-1 - i, q)
             for row in order:
                 row.seconds.clear()
+            shuffle = random.Random(SEED + rep)
             for i, q in enumerate(qs):
-                k = i % len(order)
-                for row in order[k:] + order[:k]:
+                shuffle.shuffle(order)  # a new order per query: no row always follows the same one
+                for row in order:
                     row.step(i, q)
             for name, row in rows.items():
                 samples.setdefault(name, []).append(statistics.median(row.seconds) * 1e6)
