@@ -81,8 +81,8 @@ SCENARIOS = ("pressure", "restart", "replicas")
 DEFAULT_SCENARIOS = ("pressure", "restart")
 PROFILES = ("fifo", "chunked")
 #: the metrics a cell summarises over its runs (median, min, max)
-CELL_METRICS = ("ttft_p50_s", "ttft_p99_s", "hit_ratio", "spread_max_over_mean", "router_added_p50_s",
-                "router_added_p99_s", "errors")
+CELL_METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "e2e_p99_s", "hit_ratio", "spread_max_over_mean",
+                "router_added_p50_s", "router_added_p99_s", "errors")
 NUM_ENGINES = 4
 PROMPT_SCALE = 0.125
 MAX_OUTPUT_TOKENS = 64
@@ -251,8 +251,13 @@ def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *
             log_dir: Path, progress: ProgressBar, python: str = sys.executable,
             router_options: Sequence[str] = (), timing: str = "chunked", label: str = "",
             inspect: Callable[[Sequence[str]], dict[str, Any]] | None = None,
+            placement: Sequence[str | None] | None = None,
             ) -> tuple[dict[str, Any], list[RequestRecord]]:
-    """One run of one router on a fresh fleet: its summary (and ``inspect(urls)`` before it stops)."""
+    """One run of one router on a fresh fleet: its summary (and ``inspect(urls)`` before it stops).
+
+    ``placement`` (direct only): the engine name each request goes to, e.g.
+    the workers a router chose in its own run (None: round robin).
+    """
     engine = engine_options(time_scale, timing)
     opts = [engine] * NUM_ENGINES
     if scenario == "restart":
@@ -272,7 +277,11 @@ def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *
                     for i in range(replicas)]
         builder = PromptBuilder(PromptConfig(model=MODEL, prompt_format=kind.prompt_format,
                                              max_output_tokens=MAX_OUTPUT_TOKENS))
-        target = ReplayConfig(target=urls[0], extra_targets=tuple(urls[1:]))
+        pinned: tuple[int, ...] = ()
+        if kind.direct and placement is not None:
+            names = [e.name for e in engines]
+            pinned = tuple(names.index(w) if w in names else i % len(names) for i, w in enumerate(placement))
+        target = ReplayConfig(target=urls[0], extra_targets=tuple(urls[1:]), pinned=pinned)
         # the same few short requests before every router's run: first-request costs (lazy
         # imports, first tensor ops, connection pools) are not what is compared
         warm_up(target, MODEL, requests=2 * NUM_ENGINES, text=kind.prompt_format == "text")

@@ -10,10 +10,12 @@ each request's engine reports its own wall-clock TTFT
 first token), so ``client TTFT - engine TTFT`` is what everything in between
 added. Two rows per run, each on a fresh fleet, interleaved:
 
-* ``direct`` — loadgen sends round robin straight to the engines: the floor
-  (loadgen's own loop, HTTP and the engine's HTTP layer), measured in the
-  same run on the same machine;
-* ``tokenspeed`` — the same through our ``serve`` gateway (kv_aware).
+* ``tokenspeed`` — through our ``serve`` gateway (kv_aware);
+* ``direct`` — right after, loadgen sends each request straight to the
+  engine the gateway chose for it in that run (the same placement, so the
+  same engine load and stream traffic, without a router): the floor of
+  loadgen's own loop, HTTP and the engines' HTTP layer, measured in the same
+  run on the same machine.
 
 Reported: router-added p50 / p99 / max (wall ms) per run, medians and
 min-max over runs, the gateway's p99 minus the direct p99 (what the gateway
@@ -80,15 +82,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     requests = load_slice(args.trace, groups=groups, speedup_factor=args.time_scale)
     log_root = Path(tempfile.mkdtemp(prefix="router-added-"))
     bar = ProgressBar()
-    rows: dict[str, list[dict[str, Any]]] = {"direct": [], "tokenspeed": []}
+    rows: dict[str, list[dict[str, Any]]] = {"tokenspeed": [], "direct": []}
     started = time.monotonic()
     for run in range(runs):
-        for name in rows:
-            summary, _ = run_one(ROUTERS[name], "pressure", requests, time_scale=args.time_scale,
-                                 log_dir=log_root / f"{name}-{run}", progress=bar, timing=args.timing,
-                                 label=f"{name}#{run + 1}",
-                                 inspect=_gateway_stalls if name == "tokenspeed" else None)
-            rows[name].append(summary)
+        summary, records = run_one(ROUTERS["tokenspeed"], "pressure", requests, time_scale=args.time_scale,
+                                   log_dir=log_root / f"tokenspeed-{run}", progress=bar, timing=args.timing,
+                                   label=f"tokenspeed#{run + 1}", inspect=_gateway_stalls)
+        rows["tokenspeed"].append(summary)
+        placement = [r.worker for r in records]
+        summary, _ = run_one(ROUTERS["direct"], "pressure", requests, time_scale=args.time_scale,
+                             log_dir=log_root / f"direct-{run}", progress=bar, timing=args.timing,
+                             label=f"direct#{run + 1}", placement=placement)
+        rows["direct"].append(summary)
     keys = ("router_added_p50_s", "router_added_p99_s", "router_added_max_s", "ttft_p99_s")
     medians = {name: {k: statistics.median(v for r in rs if (v := r.get(k)) is not None) for k in keys}
                for name, rs in rows.items()}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.loadgen import (
     PromptBuilder,
     PromptConfig,
@@ -92,6 +93,12 @@ def test_replicas_split_the_traffic(engines: list[EngineHandle]) -> None:
     config = ReplayConfig(target=engines[0].url, extra_targets=(engines[1].url,))
     outcome = replay(_requests(), PromptBuilder(PromptConfig(model=MODEL, token_key=13)), config)
     assert [r.worker for r in outcome.records] == ["sim-a", "sim-b", "sim-a", "sim-b"]
+    # a pinned placement (another run's choices) overrides the round robin
+    pinned = ReplayConfig(target=engines[0].url, extra_targets=(engines[1].url,), pinned=(1, 1, 0, 1))
+    outcome = replay(_requests(), PromptBuilder(PromptConfig(model=MODEL, token_key=29)), pinned)
+    assert [r.worker for r in outcome.records] == ["sim-b", "sim-b", "sim-a", "sim-b"]
+    with pytest.raises(ConfigError):
+        ReplayConfig(target=engines[0].url, pinned=(0, 1))
 
 
 def test_unreachable_target_is_counted_not_fatal(engines: list[EngineHandle], tmp_path: Path) -> None:

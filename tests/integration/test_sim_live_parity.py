@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tokenspeed_router.loadgen.parity import (
     ParitySetup,
+    Tolerances,
     compare,
     format_comparison,
     live_side,
@@ -33,7 +34,8 @@ def test_simulate_predicts_the_gateway(tmp_path: Path) -> None:
     requests = prepare(workload, setup)
     sim = simulate_side(requests, setup)
     live = live_side(requests, setup, tmp_path)
-    result = compare(sim, live, setup.worker_names())
+    # 80 requests: their p99 is the slowest one; the tail compared is p90
+    result = compare(sim, live, setup.worker_names(), Tolerances(tail_quantile=90))
     assert result["ok"], format_comparison(result)
     # the slice exercises what parity is about: reuse under memory pressure, every worker used
     assert 0.3 < sim.hit_ratio() < 0.9

@@ -98,3 +98,26 @@ def test_progress_writes_lines_when_not_a_terminal() -> None:
     tty = io.StringIO()
     ProgressBar(tty, tty=True)(1, 2)
     assert tty.getvalue().startswith("\r")
+
+
+def test_stream_reader_counts_plain_tokens_and_decodes_the_rest() -> None:
+    import asyncio
+
+    from tokenspeed_router.loadgen.client import _StreamReader
+
+    loop = asyncio.new_event_loop()
+    try:
+        rec = RequestRecord(index=0, request_id="r", scheduled_s=0.0, input_length=10, max_tokens=3)
+        reader = _StreamReader(rec, loop, loop.time())
+        for line in (b'data: {"system_fingerprint":"e1","choices":[{"text":"a"}]}', b"",
+                     b'data: {"choices":[{"text":"b"}]}', b'data: {"choices":[{"text":"c","finish_reason":"length"}]}',
+                     b'data: {"choices":[],"usage":{"prompt_tokens":10,"prompt_tokens_details":{"cached_tokens":8},'
+                     b'"engine_timing":{"ttft_s":0.5,"modelled_ttft_s":2.0}}}', b"data: [DONE]"):
+            reader.feed_line(line)
+        assert rec.worker == "e1" and rec.output_chunks == 3 and len(rec.itl_s) == 2
+        assert (rec.cached_tokens, rec.engine_ttft_s, rec.engine_modelled_ttft_s) == (8, 0.5, 2.0)
+        assert reader.done and rec.error is None
+        reader.feed_line(b'data: {"choices":[{"text":"x"}],"error":{"message":"boom"}}')
+        assert rec.error == "stream error: boom"
+    finally:
+        loop.close()

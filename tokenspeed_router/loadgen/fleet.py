@@ -217,13 +217,19 @@ def clock_scaled_router_flags(time_scale: float) -> list[str]:
     policy's ``approx_ttl_s``, 120 s: the shipped defaults) is in wall
     seconds, so it is divided by the same factor. Otherwise a 15 s memory
     would span 2 modelled minutes and outlive cache turnover, which is not
-    what the defaults do at real speed.
+    what the defaults do at real speed. Cost model v2's prior prefill rate
+    and overhead, and its prediction grace, scale alike (a rate per wall
+    second is K times the modelled one).
     """
     k = float(time_scale)
     if k <= 0:
         return []
+    # cost model v2's priors and grace are in the router's clock too (RouterConfig defaults)
     return ["--router-option", f"predict_on_route_ttl_s={15.0 / k:g}",
-            "--router-option", f"approx_ttl_s={120.0 / k:g}"]
+            "--router-option", f"approx_ttl_s={120.0 / k:g}",
+            "--router-option", f"prediction_grace_s={1.0 / k:g}",
+            "--router-option", f"prefill_overhead_s={0.020 / k:g}",
+            "--router-option", f"prefill_tokens_per_s={10_000.0 * k:g}"]
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ class ReplayConfig:
 
     ``extra_targets``: more endpoints of the same service (router replicas);
     request *i* goes to target ``i mod n``, so replicas split the traffic.
+    ``pinned``: instead, request *i* goes to target ``pinned[i]`` (replaying
+    another run's placement, e.g. straight to the engines a router chose).
     """
 
     target: str
@@ -55,8 +57,11 @@ class ReplayConfig:
     timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
     max_connections: int = 1024
+    pinned: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if any(not 0 <= p < len(self.targets) for p in self.pinned):
+            raise ConfigError(f"pinned target indices must be in [0, {len(self.targets)})")
         for target in self.targets:
             if not target.startswith(("http://", "https://")):
                 raise ConfigError(f"target must be an http(s) URL, got {target!r}")
@@ -151,7 +156,8 @@ async def replay_async(
                 await asyncio.sleep(delay)
             else:
                 lateness = max(lateness, -delay)
-            task = loop.create_task(send_request(client, urls[i % len(urls)], body, record, start_t=start,
+            url = urls[config.pinned[i]] if i < len(config.pinned) else urls[i % len(urls)]
+            task = loop.create_task(send_request(client, url, body, record, start_t=start,
                                                  stream=builder.config.stream))
             task.add_done_callback(finished)
             tasks.append(task)
