@@ -19,12 +19,17 @@ from support import wait_until
 from support.state_harness import Reference, Workers
 from support.state_serve import Serve, handshake, wait_seqs
 
-from tokenspeed_router.router.router import Router
+from tokenspeed_router.router.router import Router, RouterConfig
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 WORKERS = ["w0", "w1"]
 OPTIONS = "&load_ttl_s=1.0&backoff_max_s=0.2&socket_timeout_s=0.5"
+#: The exact one-router comparison pins cost model v1, whose load terms the peers'
+#: totals enter exactly as the router's own; v2 (the default) keeps a per-engine
+#: queue clock of its own routes, to which peers' work is added as tokens / rate,
+#: so v2 replicas decide close to, not exactly as, one router.
+COST = ("--router-option", "cost_model=v1")
 
 
 def _requests() -> list[list[int]]:
@@ -38,7 +43,7 @@ def _requests() -> list[list[int]]:
 
 
 def _one_router(requests: list[list[int]]) -> list[str]:
-    router = Router(None)
+    router = Router(None, RouterConfig(cost_model="v1"))
     for w in WORKERS:
         router.add_worker(w)
     return [router.route(tokens, request_id=f"q{i}").worker for i, tokens in enumerate(requests)]
@@ -52,7 +57,7 @@ def cluster(redis_url: str) -> Iterator[tuple[Workers, Reference, Any]]:
     made: list[Serve] = []
 
     def serve(name: str) -> Serve:
-        s = Serve(name, redis_url, workers, "direct", OPTIONS)
+        s = Serve(name, redis_url, workers, "direct", OPTIONS, COST)
         made.append(s)
         return s
 

@@ -74,7 +74,7 @@ class RedisStateConfig:
     #: ...and at most once per this (a burst of local changes costs one message).
     load_min_interval_s: float = 0.001
     #: How in-flight work travels: ``pubsub`` (Redis Pub/Sub, the default:
-    #: measured faster with a far shorter tail) or ``streams`` (XADD / XREAD).
+    #: a little faster at the median, nothing kept in Redis) or ``streams`` (XADD / XREAD).
     flight_transport: str = "pubsub"
     #: How the index is fed: ``direct`` (every replica subscribes to every
     #: engine itself: active-active) or ``stream`` (only the lease holder

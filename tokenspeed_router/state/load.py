@@ -22,9 +22,10 @@ router, which already does it exactly.
 Transport (``flight_transport``): Redis **Pub/Sub** by default (one PUBLISH
 per message on ``tsr:{cluster}:flight``), or a Redis **Stream**
 (``streams``: XADD MAXLEN ~ to ``tsr:{cluster}:flightlog``, XREAD BLOCK).
-Measured on loopback, Pub/Sub delivers sooner and with a far shorter tail
-(docs/benchmarks.md, "In-flight sharing transport"), and nothing here needs
-the stream's history: totals are absolute and heartbeats repeat them.
+Measured on loopback, Pub/Sub delivers a little sooner at the median (p99
+about the same; docs/benchmarks.md, "In-flight sharing transport") and keeps
+nothing in Redis; nothing here needs the stream's history: totals are
+absolute and heartbeats repeat them.
 
 Threads: the routing thread reads a cached mapping (:meth:`peers`, swapped
 whole, so no lock), sets an event (:meth:`changed`) and appends to deques
