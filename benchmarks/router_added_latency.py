@@ -6,7 +6,7 @@ Run: ``flock /tmp/tsr-bench.lock .venv/bin/python benchmarks/router_added_latenc
 The load of docs/compare-routers.md (``compare_routers.py``'s slice, 4
 engine-sims with 12.5k-token caches, ``--time-scale`` 4, memory pressure):
 each request's engine reports its own wall-clock TTFT
-(``usage.engine_timing.ttft_s``, from the request reaching the engine to its
+(``engine_timing.ttft_s``, from the request reaching the engine to its
 first token), so ``client TTFT - engine TTFT`` is what everything in between
 added. Two rows per run, each on a fresh fleet, interleaved:
 

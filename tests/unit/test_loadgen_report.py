@@ -111,8 +111,8 @@ def test_stream_reader_counts_plain_tokens_and_decodes_the_rest() -> None:
         reader = _StreamReader(rec, loop, loop.time())
         for line in (b'data: {"system_fingerprint":"e1","choices":[{"text":"a"}]}', b"",
                      b'data: {"choices":[{"text":"b"}]}', b'data: {"choices":[{"text":"c","finish_reason":"length"}]}',
-                     b'data: {"choices":[],"usage":{"prompt_tokens":10,"prompt_tokens_details":{"cached_tokens":8},'
-                     b'"engine_timing":{"ttft_s":0.5,"modelled_ttft_s":2.0}}}', b"data: [DONE]"):
+                     b'data: {"choices":[],"usage":{"prompt_tokens":10,"prompt_tokens_details":{"cached_tokens":8}},'
+                     b'"engine_timing":{"ttft_s":0.5,"modelled_ttft_s":2.0}}', b"data: [DONE]"):
             reader.feed_line(line)
         assert rec.worker == "e1" and rec.output_chunks == 3 and len(rec.itl_s) == 2
         assert (rec.cached_tokens, rec.engine_ttft_s, rec.engine_modelled_ttft_s) == (8, 0.5, 2.0)

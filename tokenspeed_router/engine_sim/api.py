@@ -6,7 +6,7 @@ Routes (Starlette): ``POST /v1/completions``, ``POST /v1/chat/completions``
 usage), ``POST /tokenize``, ``POST /v1/completions/render``,
 ``POST /v1/chat/completions/render``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``. Shapes follow vLLM's: ``usage.prompt_tokens_details.
-cached_tokens`` is the engine's real prefix-cache hit; ``usage.engine_timing``
+cached_tokens`` is the engine's real prefix-cache hit; ``engine_timing``
 (not vLLM's) is the engine's own TTFT, wall and modelled; ``system_fingerprint``
 and the ``x-engine-id`` header name the engine that served the request, so a
 load generator can see the spread behind any router. Errors use OpenAI's shape
@@ -247,6 +247,7 @@ class EngineSimApp:
                 usage = self._chunk(sim, None, None, chat=chat)
                 usage["choices"] = []
                 usage["usage"] = self._usage(sim)
+                usage["engine_timing"] = _engine_timing(sim)
                 yield _sse(usage)
             yield b"data: [DONE]\n\n"
         finally:
@@ -260,7 +261,6 @@ class EngineSimApp:
             "completion_tokens": sim.num_output,
             "total_tokens": len(sim.prompt) + sim.num_output,
             "prompt_tokens_details": {"cached_tokens": sim.cached_tokens},
-            "engine_timing": _engine_timing(sim),
         }
         if not self.report_cached_tokens:
             usage["prompt_tokens_details"] = None
@@ -313,6 +313,7 @@ class EngineSimApp:
                       "stop_reason": None, "prompt_logprobs": None}
         out["choices"] = [choice]
         out["usage"] = self._usage(sim)
+        out["engine_timing"] = _engine_timing(sim)
         out["kv_transfer_params"] = self._kv_params(sim) if sim.prefill_only else None
         return out
 
@@ -456,7 +457,8 @@ class _EngineCollector(Collector):
 
 
 def _engine_timing(sim: SimRequest) -> dict[str, Any]:
-    """The engine's own share of the request's latency (``usage.engine_timing``).
+    """The engine's own share of the request's latency (``engine_timing``, beside ``usage``:
+    ``usage`` itself stays exactly vLLM's shape).
 
     ``ttft_s``: wall seconds from the engine getting the request to its first
     token (a client's TTFT minus this is what everything in between added:

@@ -6,7 +6,7 @@ Times are taken on the event loop's monotonic clock when bytes arrive:
 * ``itl_s`` — the gaps between successive token-carrying chunks;
 * ``e2e_s`` — from sending to the end of the stream;
 * ``engine_ttft_s`` — the engine's own TTFT, when it reports one
-  (engine-sim's ``usage.engine_timing.ttft_s``), so ``router_added_s`` =
+  (engine-sim's ``engine_timing.ttft_s``, beside ``usage``), so ``router_added_s`` =
   ``ttft_s - engine_ttft_s`` is what everything between the client and the
   engine added: the router, the network, the load generator's own loop.
 
@@ -95,7 +95,7 @@ class RequestRecord:
         }
 
 
-def _read_usage(record: RequestRecord, usage: Any) -> None:
+def _read_usage(record: RequestRecord, usage: Any, timing: Any = None) -> None:
     if not isinstance(usage, dict):
         return
     if isinstance(usage.get("prompt_tokens"), int):
@@ -105,7 +105,6 @@ def _read_usage(record: RequestRecord, usage: Any) -> None:
     details = usage.get("prompt_tokens_details")
     if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
         record.cached_tokens = details["cached_tokens"]
-    timing = usage.get("engine_timing")
     if isinstance(timing, dict):
         if isinstance(timing.get("ttft_s"), (int, float)):
             record.engine_ttft_s = float(timing["ttft_s"])
@@ -177,7 +176,7 @@ class _StreamReader:
         now = self._loop.time()
         if rec.worker is None and isinstance(chunk.get("system_fingerprint"), str):
             rec.worker = chunk["system_fingerprint"]
-        _read_usage(rec, chunk.get("usage"))
+        _read_usage(rec, chunk.get("usage"), chunk.get("engine_timing"))
         choices = chunk.get("choices")
         if isinstance(choices, list) and choices:
             self._token(now)
@@ -237,7 +236,7 @@ async def send_request(
                 record.output_chunks = 1
                 if record.worker is None and isinstance(payload.get("system_fingerprint"), str):
                     record.worker = payload["system_fingerprint"]
-                _read_usage(record, payload.get("usage"))
+                _read_usage(record, payload.get("usage"), payload.get("engine_timing"))
     except httpx.TimeoutException as err:
         record.error = f"timeout: {type(err).__name__}"
     except httpx.HTTPError as err:

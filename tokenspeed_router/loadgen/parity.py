@@ -17,7 +17,7 @@ does not, and that is a bug to fix there.
   by K like the engines' clock (``clock_scaled_router_flags``), and
   ``loadgen``'s open-loop replay with arrivals divided by K. The live TTFT
   compared is the engine's own, in modelled seconds
-  (``usage.engine_timing.modelled_ttft_s``): what the routing decisions
+  (``engine_timing.modelled_ttft_s``): what the routing decisions
   caused, free of the wall-clock noise of a loaded machine (an engine-sim
   whose loop is starved fires its timers late; times K, 10 ms late is 40
   modelled ms). The client's TTFT (wall x K) and the router-added latency

@@ -10,7 +10,7 @@ Metric definitions (nearest-rank percentiles, the simulator's definition):
   whose engine reported both (``usage_reported`` says how many did). This is
   what the engines actually reused, whoever routed;
 * ``router_added_*_s`` — client TTFT minus the engine's own TTFT
-  (``usage.engine_timing.ttft_s``, engine-sim reports it), over successful
+  (``engine_timing.ttft_s``, engine-sim reports it), over successful
   requests whose engine reported it (``router_added_reported`` says how
   many): what the router, the network and the load generator added;
 * ``spread`` — requests per worker (``x-tokenspeed-worker``, else
