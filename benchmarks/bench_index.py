@@ -183,24 +183,6 @@ def _ratios(ours: dict[str, Any], dyn: dict[str, Any]) -> dict[str, Any]:
     """Ours relative to Dynamo: >1 is better for throughputs, <1 is better for latency/memory."""
     out: dict[str, Any] = {
         "ingest_blocks_per_s": round(ours["ingest"]["blocks_per_s"] / dyn["ingest"]["blocks_per_s"], 2),
-        "one_block_events_per_s": round(ours["one_block"]["events_per_s"] / dyn["one_block"]["events_per_s"], 2),
-        "removal_blocks_per_s": round(ours["removal"]["blocks_per_s"] / dyn["removal"]["blocks_per_s"], 2),
-        "memory_per_block_retained_vs_rss": round(
-            ours["memory"]["retained_bytes_per_block"] / max(dyn["memory"]["rss_delta_bytes_per_block"], 1e-9), 2
-        ),
-    }
-    for key, m in ours["match"].items():
-        d = dyn["match"].get(key)
-        if d:
-            out[f"match_p50/{key}"] = round(m["p50_us"] / d["p50_us"], 2)
-            out[f"match_p50_numpy/{key}"] = round(m["numpy"]["p50_us"] / d["p50_us"], 2)
-    return out
-
-
-def _ratios(ours: dict[str, Any], dyn: dict[str, Any]) -> dict[str, Any]:
-    """Ours relative to Dynamo: >1 is better for throughputs, <1 is better for latency/memory."""
-    out: dict[str, Any] = {
-        "ingest_blocks_per_s": round(ours["ingest"]["blocks_per_s"] / dyn["ingest"]["blocks_per_s"], 2),
         "one_block_events_per_s": round(
             ours["ingest"]["one_block_events_per_s"] / dyn["one_block"]["events_per_s"], 2
         ),
@@ -213,6 +195,10 @@ def _ratios(ours: dict[str, Any], dyn: dict[str, Any]) -> dict[str, Any]:
         d = dyn["match"].get(key)
         if d:
             out[f"match_p50/{key}"] = round(m["p50_us"] / d["p50_us"], 2)
+    for key, m in ours.get("match_numpy", {}).items():
+        d = dyn["match"].get(key)
+        if d:
+            out[f"match_p50_numpy/{key}"] = round(m["p50_us"] / d["p50_us"], 2)
     return out
 
 

@@ -499,18 +499,32 @@ def measure_costs(num_workers: int, prompt_tokens: int, n: int = 3000) -> dict[s
             events.insert(0, streamer_like.removes[0][(j - POOL // 2) % POOL])
         payloads.append(encode_batch(streamer_like.KVEventBatch(time.time(), events)))
     decoder = BatchDecoder()
-    ingest = RouterService(ServerConfig(http=None))
     prefix = encode_batch(streamer_like.KVEventBatch(time.time(), [streamer_like.prefixes[0]]))
-    ingest.apply_item(BatchReceived("w0", 0, decoder.decode(prefix), prefix, b"", time.time(), 0, False))
+    from tokenspeed_router import _native
 
-    def apply(i: int) -> None:
+    def ingest_service() -> RouterService:
+        svc = RouterService(ServerConfig(http=None))
+        svc.apply_item(BatchReceived("w0", 0, decoder.decode(prefix), prefix, b"", time.time(), 0, False))
+        return svc
+
+    typed, raw = ingest_service(), ingest_service()
+
+    def apply_typed(i: int) -> None:  # the typed path: decode to Python objects, KvIndex.apply
         batch = decoder.decode(payloads[i])
-        ingest.apply_item(BatchReceived("w0", i + 1, batch, payloads[i], b"", time.time(), 0, False))
+        typed.apply_item(BatchReceived("w0", i + 1, batch, b"", b"", time.time(), 0, False))
 
-    timed("ingest_batch_decode_apply_us", apply)
+    def apply_raw(i: int) -> None:  # what serve does now: scan (no objects), then apply_raw in C
+        ts = _native.scan_batch(payloads[i])
+        raw.apply_item(BatchReceived("w0", i + 1, None, payloads[i], b"", time.time(), 0, False, ts))
+
+    timed("ingest_batch_decode_apply_us", apply_typed)
+    timed("ingest_batch_scan_apply_raw_us", apply_raw)
+    assert raw.ingestor.raw_batches == n, "the raw path did not take the churn batches"
     out["ingest_stored_blocks_per_cpu_s"] = CHAIN_BLOCKS / (out["ingest_batch_decode_apply_us"] * 1e-6)
+    out["ingest_raw_stored_blocks_per_cpu_s"] = CHAIN_BLOCKS / (out["ingest_batch_scan_apply_raw_us"] * 1e-6)
+    typed.stop()
+    raw.stop()
     service.stop()
-    ingest.stop()
     return out
 
 
@@ -595,7 +609,7 @@ def _ingest_counters(http_port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/workers", timeout=10) as resp:
         ws = json.loads(resp.read())
     out: dict[str, float] = {k: float(sum(w.get(k) or 0 for w in ws.values()))
-                             for k in ("gaps", "resyncs", "events_rejected", "replayed_batches")}
+                             for k in ("gaps", "resyncs", "events_rejected", "replayed_batches", "shed_batches")}
     # publisher timestamp -> applied, of each worker's last applied batch: the backlog, in seconds
     out["max_lag_s"] = max((float(w.get("ingest_delay_s") or 0.0) for w in ws.values()), default=0.0)
     out["not_live"] = float(sum(1 for w in ws.values() if w.get("state") != "live"))
@@ -708,7 +722,8 @@ def main() -> int:
                     "loop_lag_p99_le_ms": _bucket_quantile(lag0, lag1, 0.99) * 1e3,
                     "loop_lag_over_10ms": _over(lag0, lag1, 0.01), "loop_lag_over_50ms": _over(lag0, lag1, 0.05),
                     "lag_at_stop_s": at_stop["max_lag_s"],
-                    **{k: after[k] - counters0[k] for k in ("gaps", "resyncs", "events_rejected", "replayed_batches")},
+                    **{k: after[k] - counters0[k]
+                       for k in ("gaps", "resyncs", "events_rejected", "replayed_batches", "shed_batches")},
                     "workers_not_live": after["not_live"]}
 
         def query_phase(kind: str) -> dict[str, Any]:
@@ -769,7 +784,8 @@ def _summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             for key in ("match_req_per_s", "match_vs_idle", "visible_p50_ms", "visible_p99_ms", "visible_max_ms",
                         "applied_p50_le_ms", "applied_p99_le_ms", "loop_lag_p99_le_ms", "loop_lag_over_10ms",
                         "loop_lag_over_50ms",
-                        "catch_up_s", "lag_at_stop_s", "gaps", "resyncs", "visible_lost", "streamed_blocks_per_s"):
+                        "catch_up_s", "lag_at_stop_s", "gaps", "resyncs", "shed_batches", "visible_lost",
+                        "streamed_blocks_per_s"):
                 if key in row:
                     figures.setdefault(f"ingest[{tag}].{key}", []).append(row[key])
         for kind in ("zmq", "http"):

@@ -24,9 +24,9 @@ exchange the production messages (``SharedLoad.sync_now`` encodes,
 ``receive_now`` decodes and folds them into the peer view and the router's
 predictions), carried by an in-memory bus on the trace's clock that delivers
 each message ``--delay-ms`` after it was sent: 0 (the best sharing
-can do), 2 ms (Redis Pub/Sub's median on loopback) and 15 ms (its p99;
-``benchmarks/bench_flight.py`` measures both transports). A replica whose
-work changed publishes at most once per 1 ms (``load_min_interval_s``).
+can do), 2 ms (about Redis Pub/Sub's median on loopback plus the live
+thread's 1 ms coalescing) and 15 ms (its tail; ``benchmarks/bench_flight.py``
+measures both transports). A replica publishes on every change of its work.
 
 Figures: TTFT p50/p99/mean, cache hit ratio and load imbalance (busiest
 worker's prefill time over the mean), per set-up, from the simulator's own

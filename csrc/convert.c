@@ -1,6 +1,57 @@
 /* Python objects -> native words (convert.h). */
 #include "convert.h"
 
+/* A non-negative int that fits one machine word, read without the generic
+ * conversion (the common token id; ~3x faster on a 32k-token list). */
+static inline int small_int(PyObject *it, u64 *v) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)it)) {
+        Py_ssize_t x = PyUnstable_Long_CompactValue((PyLongObject *)it);
+        if (x >= 0) {
+            *v = (u64)x;
+            return 1;
+        }
+    }
+    return 0;
+#else
+    /* 0 or 1 digit; an int always has room for one digit, so it is read
+     * before the test and selected after (no branch on the value) */
+    Py_ssize_t size = Py_SIZE(it);
+    digit d = ((PyLongObject *)it)->ob_digit[0];
+    if ((size_t)size > 1) return 0;
+    *v = size ? d : 0;
+    return 1;
+#endif
+}
+
+/* An exact int in [0, 2**30) (3.11: one digit) or a compact non-negative one
+ * (3.12+): the common token id, read with no call and one type test. */
+static inline int fast_token(PyObject *it, u64 *v) {
+    if (!Py_IS_TYPE(it, &PyLong_Type)) return 0;
+    return small_int(it, v);
+}
+
+/* One token id by the API (strict: refuse negatives and ids >= 2**64; else wrap
+ * them modulo 2**64): the rare item, out of the loops below. */
+static int conv_item(PyObject *it, int strict, u64 *out) {
+    u64 v;
+    if (PyLong_CheckExact(it) && small_int(it, &v)) {
+        *out = v;
+        return 0;
+    }
+    if (PyLong_Check(it)) {
+        v = strict ? PyLong_AsUnsignedLongLong(it) : PyLong_AsUnsignedLongLongMask(it);
+    } else {
+        PyObject *ix = PyNumber_Index(it);
+        if (!ix) return -1;
+        v = strict ? PyLong_AsUnsignedLongLong(ix) : PyLong_AsUnsignedLongLongMask(ix);
+        Py_DECREF(ix);
+    }
+    if (v == (u64)-1 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
 u64 *tokens_from(PyObject *obj, Py_ssize_t *n_out, int strict) {
     if (PyBytes_Check(obj) || PyByteArray_Check(obj) || PyUnicode_Check(obj)) {
         PyErr_SetString(PyExc_TypeError, "token_ids must be a sequence of ints, not bytes or str");
@@ -77,25 +128,14 @@ u64 *tokens_from(PyObject *obj, Py_ssize_t *n_out, int strict) {
         PyErr_NoMemory();
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *it = items[i];
-        u64 v;
-        if (i + TOK_AHEAD < n) __builtin_prefetch(items[i + TOK_AHEAD]);
-        if (PyLong_CheckExact(it) && small_int(it, &v)) {
-            out[i] = v;
-            continue;
-        }
-        if (PyLong_Check(it)) {
-            v = strict ? PyLong_AsUnsignedLongLong(it) : PyLong_AsUnsignedLongLongMask(it);
-        } else {
-            PyObject *ix = PyNumber_Index(it);
-            if (!ix) goto fail;
-            v = strict ? PyLong_AsUnsignedLongLong(ix) : PyLong_AsUnsignedLongLongMask(ix);
-            Py_DECREF(ix);
-        }
-        if (v == (u64)-1 && PyErr_Occurred()) goto fail;
-        out[i] = v;
+    /* as toks_convert: the item TOK_AHEAD ahead prefetched, one type test per item */
+    Py_ssize_t i = 0;
+    for (; i < n - TOK_AHEAD; i++) {
+        __builtin_prefetch(items[i + TOK_AHEAD]);
+        if (!fast_token(items[i], &out[i]) && conv_item(items[i], strict, &out[i]) < 0) goto fail;
     }
+    for (; i < n; i++)
+        if (!fast_token(items[i], &out[i]) && conv_item(items[i], strict, &out[i]) < 0) goto fail;
     Py_DECREF(seq);
     *n_out = n;
     return out;
@@ -103,6 +143,39 @@ fail:
     free(out);
     Py_DECREF(seq);
     return NULL;
+}
+
+/* The rare item: an int subclass (bool, IntEnum), a big int, or not an int. */
+static int token_slow(Toks *t, PyObject *it, u64 *out) {
+    if (!PyLong_Check(it)) {
+        t->slow = 1;
+        return 0;
+    }
+    if (conv_item(it, 1, out) < 0) {
+        t->err = 1;
+        return 0;
+    }
+    return 1;
+}
+
+int toks_convert(Toks *t, Py_ssize_t upto) {
+    if (t->err || t->slow) return 0;
+    Py_ssize_t want = upto < t->nconv + 256 ? t->nconv + 256 : upto;
+    if (want > t->ntok) want = t->ntok;
+    PyObject **items = PySequence_Fast_ITEMS(t->seq);
+    u64 *buf = t->buf;
+    Py_ssize_t i = t->nconv;
+    /* int objects live all over the heap: each item's object is prefetched
+     * TOK_AHEAD items ahead (into the next chunk too), no bound test per item */
+    Py_ssize_t ahead_end = t->ntok - TOK_AHEAD < want ? t->ntok - TOK_AHEAD : want;
+    for (; i < ahead_end; i++) {
+        __builtin_prefetch(items[i + TOK_AHEAD]);
+        if (!fast_token(items[i], &buf[i]) && !token_slow(t, items[i], &buf[i])) return 0;
+    }
+    for (; i < want; i++)
+        if (!fast_token(items[i], &buf[i]) && !token_slow(t, items[i], &buf[i])) return 0;
+    t->nconv = want;
+    return 1;
 }
 
 int toks_open(PyObject *obj, Toks *t) {

@@ -5,6 +5,7 @@
  */
 #include "core_type.h"
 #include "index.h"
+#include "ingest_decode.h"
 
 static PyObject *str_gpu, *str_cpu, *str_storage; /* interned tier names of match_detail */
 
@@ -500,6 +501,30 @@ static PyObject *Core_clear(Core *c, PyObject *args) {
     return PyLong_FromSsize_t(gone);
 }
 
+/* apply_raw(name, payload, block_size, root, salvage) -> None | result (ingest_decode.c) */
+static PyObject *Core_apply_raw(Core *c, PyObject *args) {
+    PyObject *name;
+    Py_buffer buf;
+    long bs;
+    unsigned long long root;
+    int salvage;
+    if (!PyArg_ParseTuple(args, "Oy*lKp", &name, &buf, &bs, &root, &salvage)) return NULL;
+    int s = slot_lookup(c, name);
+    if (s < 0) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    PyObject *out = raw_apply(c, s, buf.buf, buf.len, bs, root, salvage);
+    PyBuffer_Release(&buf);
+    if (out != NULL && out != Py_None) {
+        if (c->w[s].ext.len == 0 && !c->logging)
+            Py_CLEAR(c->w[s].bytes_ids);
+        else if (prune_bytes(c, s) < 0)
+            Py_CLEAR(out);
+    }
+    return out;
+}
+
 static PyObject *Core_begin(Core *c, PyObject *unused) {
     wlock(c);
     c->nlog = 0;
@@ -762,6 +787,7 @@ static PyMethodDef Core_methods[] = {
     {"store_hashed", (PyCFunction)Core_store_hashed, METH_VARARGS, "store blocks whose content ids are given"},
     {"remove", (PyCFunction)Core_remove, METH_VARARGS, "remove(name, ids, tier, unspecified)"},
     {"clear", (PyCFunction)Core_clear, METH_VARARGS, "clear(name, tier) -> blocks gone"},
+    {"apply_raw", (PyCFunction)Core_apply_raw, METH_VARARGS, "apply_raw(name, payload, bs, root, salvage)"},
     {"begin", (PyCFunction)Core_begin, METH_NOARGS, "start recording an undo log"},
     {"commit", (PyCFunction)Core_commit, METH_NOARGS, "forget the undo log"},
     {"rollback", (PyCFunction)Core_rollback, METH_NOARGS, "undo everything since begin()"},

@@ -35,7 +35,7 @@ static inline void tab_release_if_empty(const Core *c, Tab *t) {
 /* ---- holders */
 
 /* Set slot s's bit on content; 1 if it was not set, 0 if it was, E_NOMEM. */
-static int hold_add(Core *c, int s, u64 content) {
+static inline int hold_add(Core *c, int s, u64 content) {
     GTab *t = &c->glob;
     if (g_reserve(t, 1) < 0) return E_NOMEM;
     size_t W = t->W, st = 1 + W, m = t->cap - 1, i = g_home(t, content);

@@ -46,11 +46,14 @@
 #include "common.h"
 #include "core_type.h"
 #include "module.h"
+#include "ingest_decode.h"
 
 static PyMethodDef mod_methods[] = {
     {"hash_blocks", mod_hash_blocks, METH_VARARGS, "chained content hashes of the full blocks"},
     {"chain_hash", mod_chain_hash, METH_VARARGS, "XXH3_64(data, seed)"},
     {"msgpack_tokens", mod_msgpack_tokens, METH_O, "a msgpack array of token ids in [0, 2**63) -> native u64 bytes"},
+    {"scan_batch", mod_scan_batch, METH_O, "scan_batch(payload) -> ts when apply_raw can take it, else None"},
+    {"set_media", mod_set_media, METH_O, "set_media([(name, code), ...]): the tier spellings of the raw decoder"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -2,8 +2,8 @@
 
 Grafana cannot be installed offline here, so this stands in for its
 screenshot, honestly: a real fleet (redis-server, three engine-sims, one of
-them losing events on purpose, ``serve --state``, ``loadgen`` replaying the
-bundled Mooncake slice through the gateway) is scraped once a second; each
+them losing events on purpose, ``serve --state redis://...?ingest=stream``,
+``loadgen`` replaying the bundled Mooncake slice through the gateway) is scraped once a second; each
 panel's own PromQL (read from the dashboard JSON, ``$__rate_interval`` =
 30 s, ``$worker`` = all) is evaluated over those scrapes by the small
 evaluator below (the subset the dashboard uses: selectors, ``rate``,
@@ -165,8 +165,9 @@ def record(work: Path, seconds: float) -> list[Scrape]:
                       f"replay={info['replay'][0]}"]
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
+        state = f"redis://127.0.0.1:{rport}/0?ingest=stream"  # stream mode exports every state series
         procs.append(_start([sys.executable, "-m", "tokenspeed_router.cli", "serve", *specs, "--http",
-                             f"127.0.0.1:{port}", "--state", f"redis://127.0.0.1:{rport}/0"], work / "serve.log"))
+                             f"127.0.0.1:{port}", "--state", state], work / "serve.log"))
         deadline = time.monotonic() + 60
         while True:
             try:

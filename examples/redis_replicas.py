@@ -1,13 +1,15 @@
-"""Two router replicas sharing state through Redis; kill the leader, the other takes over.
+"""Two active-active router replicas sharing in-flight work through Redis; kill one.
 
 Run:  .venv/bin/python examples/redis_replicas.py [redis://127.0.0.1:6379/0]
 
 Without a URL it starts a throw-away ``redis-server`` on a free port (needs the
 binary on PATH). It launches two ``tokenspeed-router serve --state URL``
-processes for one worker, publishes KV events, shows that both answer
-``/match`` identically, SIGKILLs the leader and shows the survivor taking the
-lease and catching up with the events published meanwhile (through the
-worker's replay ring). Uses cluster ``example`` (keys ``tsr:{example}:*``).
+processes for one worker (the recommended set-up: each subscribes to the
+worker itself, ``ingest=direct``), publishes KV events, shows that both answer
+``/match`` identically, routes a request through one and shows the other
+counting it as a peer's in-flight work, then SIGKILLs the first: the survivor
+keeps following the worker on its own and the dead replica's work expires
+(``load_ttl_s``). Uses cluster ``example`` (Pub/Sub channel ``tsr:{example}:flight``).
 """
 
 from __future__ import annotations
@@ -62,14 +64,11 @@ def main() -> None:
     worker = f"name=w0,events={pub.endpoint},replay={pub.replay_endpoint}"
     ports = [free_tcp_port(), free_tcp_port()]
     procs = [subprocess.Popen([*CLI, "serve", "--worker", worker, "--http", f"127.0.0.1:{p}",
-                               "--state", f"{url}?cluster=example&lease_ttl_s=2&replica_id=r{i}"])
+                               "--state", f"{url}?cluster=example&load_ttl_s=1&replica_id=r{i}"])
              for i, p in enumerate(ports)]
     try:
         wait(lambda: all(health(p) for p in ports))
-        leaders = wait(lambda: [i for i, p in enumerate(ports)
-                                if (health(p) or {})["state"]["role"] == "leader"])
-        leader = leaders[0]
-        print(f"replica r{leader} holds the lease")
+        print("ingestion:", [(health(p) or {})["state"]["ingest"] for p in ports])
 
         def publish(blocks: int) -> None:
             hashes: list[BlockHash] = list(range(1, blocks + 1))
@@ -81,21 +80,28 @@ def main() -> None:
             r = httpx.post(f"http://127.0.0.1:{port}/match", json={"token_ids": PROMPT}, timeout=2)
             return dict(r.json()["scores"])
 
-        def published_and_seen() -> bool:  # republished until the leader's subscription is up (slow joiner)
+        def peers_in_flight(port: int) -> int:
+            workers = httpx.get(f"http://127.0.0.1:{port}/workers", timeout=2).json()
+            return sum(w["in_flight_peers"] for w in workers.values())
+
+        def published_and_seen() -> bool:  # republished until both subscriptions are up (slow joiner)
             publish(2)
             return all(scores(p).get("w0") == 2 for p in ports)
 
         wait(published_and_seen)
         print("both replicas:", [scores(p) for p in ports])
 
-        procs[leader].send_signal(signal.SIGKILL)
-        procs[leader].wait()
-        survivor = ports[1 - leader]
-        publish(4)  # published while nobody leads: the replay ring keeps it
-        wait(lambda: (health(survivor) or {})["state"]["role"] == "leader")
-        wait(lambda: scores(survivor).get("w0") == 4)
-        state = (health(survivor) or {})["state"]
-        print(f"after SIGKILL: r{1 - leader} leads (fence {state['fence']}),", scores(survivor))
+        httpx.post(f"http://127.0.0.1:{ports[0]}/route", json={"token_ids": PROMPT, "request_id": "q0"},
+                   timeout=2)
+        wait(lambda: peers_in_flight(ports[1]) == 1)
+        print("r1 sees r0's request (in_flight_peers 1)")
+
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait()
+        publish(4)  # the survivor ingests on its own: nothing to take over
+        wait(lambda: scores(ports[1]).get("w0") == 4)
+        wait(lambda: peers_in_flight(ports[1]) == 0)
+        print(f"after SIGKILL of r0: r1 answers {scores(ports[1])}, r0's request expired")
     finally:
         for p in procs:
             if p.poll() is None:

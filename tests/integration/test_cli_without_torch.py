@@ -100,3 +100,17 @@ def test_serve_without_torch(no_torch_env: dict[str, str], tmp_path: Path) -> No
         assert "w0" in serve.workers()
         answer = serve.post("/route", {"token_ids": list(range(64))})
         assert answer["worker"] == "w0"
+
+
+def test_doctor_without_torch(no_torch_env: dict[str, str]) -> None:
+    """The doctor is a router-side command: it runs, and an unreachable engine is a failed check."""
+    events, http = free_tcp_port(), free_tcp_port()
+    proc = cli(no_torch_env, "doctor", "--worker", f"name=w0,url=http://127.0.0.1:{http},"
+               f"events=tcp://127.0.0.1:{events}", "--timeout", "1", "--json")
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    [engine] = report["engines"]
+    assert not engine["ok"] and all(c["cause"] for c in engine["checks"])
+    events_check = next(c for c in engine["checks"] if c["name"] == "events")
+    assert "accepts a connection" in events_check["cause"], events_check
+    assert "Traceback" not in proc.stderr

@@ -54,7 +54,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory, redis_server: Any) -> Ite
     with EngineSim(workdir, flags).start(timeout_s=90) as w0, EngineSim(workdir, flags).start(timeout_s=90) as w1:
         specs = [a for name, e in (("w0", w0), ("w1", w1)) for a in (
             "--worker", f"name={name},url={e.url},events={e.events},replay={e.replay_endpoint}")]
-        with ServeProcess([*specs, "--state", redis_server.url], workdir).start(timeout_s=60) as router:
+        with ServeProcess([*specs, "--state", f"{redis_server.url}?ingest=stream"], workdir).start(timeout_s=60) as router:
             w1.complete(prompt, max_tokens=1)
             wait_until(lambda: router.post("/match", {"token_ids": list(range(64))})["scores"].get("w1", 0) >= 4,
                        20.0, interval_s=0.05, what="the router to see w1's blocks")

@@ -31,5 +31,7 @@ def test_sim_compare_policies_example() -> None:
 
 def test_redis_replicas_example(redis_url: str) -> None:
     stdout = _run("redis_replicas.py", redis_url)
+    assert "ingestion: ['direct', 'direct']" in stdout, stdout
     assert "both replicas: [{'w0': 2}, {'w0': 2}]" in stdout, stdout
-    assert "holds the lease" in stdout and "leads (fence 2), {'w0': 4}" in stdout, stdout
+    assert "r1 sees r0's request (in_flight_peers 1)" in stdout, stdout
+    assert "after SIGKILL of r0: r1 answers {'w0': 4}, r0's request expired" in stdout, stdout

@@ -14,7 +14,7 @@ from tokenspeed_router.events.schema import KVEventBatch
 
 
 def _msg(seq: int, *, replayed: bool) -> Message:
-    return Message(seq, b"%d" % seq, KVEventBatch(0.0, []), b"", 0.0, replayed)
+    return Message(seq, b"%d" % seq, KVEventBatch(0.0, []), b"", 0.0, replayed, 0.0)
 
 
 def _shape(steps: list[Message | Loss]) -> list[object]:

@@ -23,6 +23,7 @@ __all__ = [
     "RESYNC_REPLAY_INCOMPLETE",
     "RESYNC_REPLAY_TIMEOUT",
     "RESYNC_RING_EXHAUSTED",
+    "RESYNC_SHED",
     "Loss",
     "MergePlan",
     "Message",
@@ -37,6 +38,8 @@ RESYNC_REPLAY_TIMEOUT: Final = "replay_timeout"
 RESYNC_RING_EXHAUSTED: Final = "replay_ring_exhausted"
 RESYNC_REPLAY_INCOMPLETE: Final = "replay_incomplete"
 RESYNC_NO_REPLAY: Final = "no_replay_endpoint"
+#: not a loss on the wire: the router dropped a backlog on purpose (it fell too far behind)
+RESYNC_SHED: Final = "shed_backlog"
 
 
 @dataclass(slots=True)
@@ -46,10 +49,11 @@ class Message:
 
     seq: int
     payload: bytes
-    batch: KVEventBatch
+    batch: KVEventBatch | None  # None: proved well formed by the native scanner, decoded on use
     topic: bytes
     recv_time_s: float
     replayed: bool
+    ts: float  # the batch's publisher timestamp
 
 
 class ReplayPurpose(enum.Enum):

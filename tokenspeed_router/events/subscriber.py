@@ -84,7 +84,7 @@ from types import MappingProxyType, TracebackType
 import zmq
 
 from tokenspeed_router.errors import WireError
-from tokenspeed_router.events.codec import BatchDecoder
+from tokenspeed_router.events.codec import BatchDecoder, decode_batch
 from tokenspeed_router.events.curve import CurveClientKeys
 from tokenspeed_router.events.frames import (
     END_SEQ,
@@ -98,6 +98,7 @@ from tokenspeed_router.events.replay_merge import (
     RESYNC_REPLAY_INCOMPLETE,
     RESYNC_REPLAY_TIMEOUT,
     RESYNC_RING_EXHAUSTED,
+    RESYNC_SHED,
     Message,
     ReplayPurpose,
     merge_replay,
@@ -111,6 +112,7 @@ __all__ = [
     "RESYNC_REPLAY_INCOMPLETE",
     "RESYNC_REPLAY_TIMEOUT",
     "RESYNC_RING_EXHAUSTED",
+    "RESYNC_SHED",
     "BatchReceived",
     "EventSubscriber",
     "PublisherRestarted",
@@ -121,9 +123,17 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+try:  # the compiled scanner proves the common payloads well formed without decoding them
+    from tokenspeed_router._native import scan_batch as _scan_batch
+except ImportError:
+    _scan_batch = None  # type: ignore[assignment]
+
 #: Messages handled per process_ready() call: bounds the memory held by one
 #: returned list (decoded batches are large) and keeps a group's polling fair.
 _MAX_MESSAGES_PER_CALL = 256
+#: Messages one shed_backlog() call drops at most (a publisher flooding faster
+#: than we can even read must not keep the receiving thread in one call forever).
+_MAX_SHED_PER_CALL = 100_000
 _TRACKER_WINDOW = 16_384
 _LOG_INTERVAL_S = 10.0
 
@@ -131,18 +141,74 @@ _LOG_INTERVAL_S = 10.0
 # --------------------------------------------------------------------- items
 
 
-@dataclass(frozen=True, slots=True)
 class BatchReceived:
-    """One batch, delivered in sequence order (``replayed``: it came through replay)."""
+    """One batch, delivered in sequence order (``replayed``: it came through replay).
 
-    worker: str
-    seq: int
-    batch: KVEventBatch
-    payload: bytes
-    topic: bytes
-    recv_time_s: float
-    epoch: int
-    replayed: bool
+    ``batch`` is decoded on first use when the subscriber did not need to:
+    a payload the native scanner (``_native.scan_batch``) proved well formed
+    is handed on undecoded, with its timestamp in ``batch_ts``, so the index
+    can apply it without a Python object per block (``KvIndex.apply_raw``).
+    Treat it as immutable (equality and hashing are by value).
+    """
+
+    __slots__ = ("_batch", "batch_ts", "epoch", "payload", "recv_time_s", "replayed", "seq", "topic", "worker")
+
+    def __init__(
+        self,
+        worker: str,
+        seq: int,
+        batch: KVEventBatch | None,
+        payload: bytes,
+        topic: bytes,
+        recv_time_s: float,
+        epoch: int,
+        replayed: bool,
+        batch_ts: float | None = None,
+    ) -> None:
+        if batch is None and batch_ts is None:
+            raise ValueError("an undecoded BatchReceived needs its batch_ts")
+        self.worker = worker
+        self.seq = seq
+        self._batch = batch
+        self.payload = payload
+        self.topic = topic
+        self.recv_time_s = recv_time_s
+        self.epoch = epoch
+        self.replayed = replayed
+        #: the publisher's timestamp of the batch (its wall clock, seconds)
+        self.batch_ts: float = batch.ts if batch is not None else batch_ts  # type: ignore[assignment]
+
+    @property
+    def batch(self) -> KVEventBatch:
+        """The decoded batch (decoded now if it was handed on undecoded)."""
+        b = self._batch
+        if b is None:
+            b = self._batch = decode_batch(self.payload)  # proved decodable by the scanner
+        return b
+
+    @property
+    def decoded(self) -> bool:
+        """Whether ``batch`` is already decoded."""
+        return self._batch is not None
+
+    def _key(self) -> tuple[object, ...]:
+        return (self.worker, self.seq, self.payload, self.topic, self.recv_time_s, self.epoch, self.replayed)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BatchReceived):
+            return NotImplemented
+        return self._key() == other._key() and (
+            self.payload != b"" or self.batch == other.batch  # items built without a payload (tests, tools)
+        )
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchReceived(worker={self.worker!r}, seq={self.seq}, batch_ts={self.batch_ts}, "
+            f"payload=<{len(self.payload)} bytes>, epoch={self.epoch}, replayed={self.replayed})"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +265,8 @@ class SubscriberStatistics:
     held: int
     """Live messages held while a replay is in flight."""
     last_recv_time_s: float | None
+    shed: int = 0
+    """Live batches dropped undecoded by :meth:`EventSubscriber.shed_backlog`."""
 
     @property
     def malformed_total(self) -> int:
@@ -289,6 +357,7 @@ class EventSubscriber:
         self._replay_timeouts = 0
         self._resyncs = 0
         self._restarts = 0
+        self._shed = 0
         self._last_recv_time_s: float | None = None
 
     # ----------------------------------------------------------------- public
@@ -410,6 +479,57 @@ class EventSubscriber:
             self._drain_held(out)
         return out
 
+    def shed_backlog(self) -> list[SubscriberItem]:
+        """Drop the live batches waiting in the SUB socket, undecoded; report them lost.
+
+        For a caller that finds this stream too far behind its publisher to
+        catch up (``server/apply_queue.py``): reading and fingerprinting a
+        message costs a few microseconds, decoding and applying it tens. The
+        dropped batches are in order (anything else -- a gap, a restart, a
+        duplicate -- stops the drop and takes the normal path), so they are
+        remembered as delivered and never replayed, and one ResyncNeeded
+        (reason ``RESYNC_SHED``) covers them: the consumer drops the worker's
+        entries and treats it as resyncing, exactly as for a loss on the wire.
+        Does nothing while a replay is in flight or before the stream joined.
+        Returns the items to hand on (the ResyncNeeded, then whatever the
+        message that stopped the drop led to).
+        """
+        out: list[SubscriberItem] = []
+        if self._closed or self._replay is not None or not self._joined or self._held:
+            return out
+        first: int | None = None
+        last = -1
+        for _ in range(_MAX_SHED_PER_CALL):
+            try:
+                frames = self._sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if (
+                len(frames) != 3
+                or len(frames[1]) != SEQ_BYTES
+                or (self._topic and frames[0] != self._topic)
+                or len(frames[2]) > self._max_payload_bytes
+            ):
+                self._parse_live(frames)  # counts and logs the malformed frame the usual way
+                continue
+            seq = decode_seq(frames[1])
+            if self._tracker.classify(seq, frames[2]).kind is not VerdictKind.IN_ORDER:
+                message = self._parse_live(frames)
+                if message is not None:
+                    self._held.append(message)
+                break
+            self._received += 1
+            self._last_recv_time_s = time.time()
+            self._tracker.observe(seq, frames[2])
+            self._shed += 1
+            if first is None:
+                first = seq
+            last = seq
+        if first is not None:
+            self._resync(out, first, last + 1, RESYNC_SHED)
+        self._drain_held(out)
+        return out
+
     def statistics(self) -> SubscriberStatistics:
         return SubscriberStatistics(
             worker=self._worker,
@@ -428,6 +548,7 @@ class EventSubscriber:
             replaying=self._replay is not None,
             held=len(self._held),
             last_recv_time_s=self._last_recv_time_s,
+            shed=self._shed,
         )
 
     def close(self) -> None:
@@ -498,12 +619,16 @@ class EventSubscriber:
                 len(payload), self._max_payload_bytes,
             )
             return None
-        try:
-            batch = self._decoder.decode(payload)
-        except WireError as err:
-            self._malformed_frame("payload_decode", "%s", err)
-            return None
-        return Message(decode_seq(seq_frame), payload, batch, topic, now, replayed)
+        ts = _scan_batch(payload) if _scan_batch is not None else None
+        batch: KVEventBatch | None = None
+        if ts is None:  # not provably the common case: the typed decoder decides
+            try:
+                batch = self._decoder.decode(payload)
+            except WireError as err:
+                self._malformed_frame("payload_decode", "%s", err)
+                return None
+            ts = batch.ts
+        return Message(decode_seq(seq_frame), payload, batch, topic, now, replayed, ts)
 
     def _parse_replay(self, frames: list[bytes]) -> Message | bool:
         """A replayed message, True for the end marker, False for a skipped frame."""
@@ -610,7 +735,7 @@ class EventSubscriber:
         out.append(
             BatchReceived(
                 self._worker, message.seq, message.batch, message.payload, message.topic,
-                message.recv_time_s, self._tracker.epoch, message.replayed,
+                message.recv_time_s, self._tracker.epoch, message.replayed, message.ts,
             )
         )
 

@@ -44,6 +44,7 @@ from tokenspeed_router.events.schema import (
     Event,
     KVEventBatch,
 )
+from tokenspeed_router.events.validation import token_count_ok
 from tokenspeed_router.hashing import block_hashes, root_seed
 from tokenspeed_router.router.index import lora_key
 from tokenspeed_router.router.tiers import medium_code
@@ -113,7 +114,7 @@ class ContentHasher:
         n = len(hashes)
         bs = ev.block_size
         toks = ev.token_ids
-        if n == 0 or bs <= 0 or not (n - 1) * bs < len(toks) <= n * bs:
+        if n == 0 or bs <= 0 or not token_count_ok(n, bs, len(toks)):
             raise WireError(
                 f"BlockStored with {n} hashes of block size {bs} carries {len(toks)} token ids"
             )

@@ -64,7 +64,15 @@ from tokenspeed_router.events.validation import validate_event
 from tokenspeed_router.hashing import HASH_VERSION, root_seed
 from tokenspeed_router.router.index_core import CoreName, IndexCore, WorkerInfo
 from tokenspeed_router.router.index_reference import ReferenceCore
-from tokenspeed_router.router.tiers import ALL_TIERS, CPU, GPU, STORAGE, TIER_NAMES, medium_code
+from tokenspeed_router.router.tiers import (
+    ALL_TIERS,
+    CPU,
+    GPU,
+    STORAGE,
+    TIER_NAMES,
+    known_media,
+    medium_code,
+)
 
 try:
     from tokenspeed_router import _native
@@ -76,6 +84,7 @@ __all__ = [
     "NATIVE_AVAILABLE",
     "SNAPSHOT_VERSION",
     "ApplyStats",
+    "RawApplied",
     "KvIndex",
     "MatchDetail",
     "WorkerInfo",
@@ -93,6 +102,8 @@ DUMP_CONTENT_KEY = "tokenspeed_router.content_ids"
 DUMP_UNMATCHABLE_KEY = "tokenspeed_router.unmatchable"
 
 NATIVE_AVAILABLE = _native is not None
+if _native is not None:
+    _native.set_media(sorted(known_media().items()))  # the raw decoder maps media as medium_code does
 _DEFAULT_CORE = os.environ.get("TOKENSPEED_ROUTER_INDEX", "").strip().lower() or None
 
 _M64 = (1 << 64) - 1
@@ -117,6 +128,26 @@ class ApplyStats(NamedTuple):
     removed_blocks: int
     unknown_removals: int
     cleared: int
+
+
+class RawApplied(NamedTuple):
+    """What one ``apply_raw`` did (see :meth:`KvIndex.apply_raw`).
+
+    ``unknown_parent``: a BlockStored's parent is not held; nothing was
+    applied (as ``apply`` raising :class:`UnknownParentError`). In salvage
+    mode, ``rejected`` events were refused that way and the rest applied;
+    ``last_clear`` / ``last_reject`` are the indexes of the last
+    whole-cache clear applied and of the last refused event (-1: none).
+    """
+
+    ts: float
+    stats: ApplyStats
+    stores: bool
+    clears_everything: bool
+    unknown_parent: bool
+    rejected: int
+    last_clear: int
+    last_reject: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,6 +372,43 @@ class KvIndex:
         for i, v in enumerate(counts):
             mine[i] += v
         return ApplyStats(len(events), stored, dup, removed, unknown, cleared)
+
+    def apply_raw(self, worker: str, payload: bytes, *, salvage: bool = False) -> RawApplied | None:
+        """Apply an undecoded msgpack batch in the compiled core, or say None (nothing changed).
+
+        The common case -- the three events in either wire form, int or bytes
+        ids, a known ``medium``, no LoRA/salt/extra keys, every store on the
+        worker's current block grid, the worker already known -- is read and
+        applied in C without a Python object per block and without the GIL
+        (csrc/ingest_decode.c). Anything else, malformed bytes included,
+        returns None before any change: decode it and call :meth:`apply`,
+        which decides exactly as always. Same atomicity and counters as
+        :meth:`apply`; ``salvage=True`` applies event by event instead,
+        skipping stores whose parent is unknown (``IndexIngestor``'s salvage).
+        """
+        raw = getattr(self._core, "apply_raw", None)  # the compiled core's only (not in IndexCore)
+        if raw is None or worker not in self._counters:
+            return None
+        bs = self._block_size[worker]
+        if bs is None:
+            return None
+        got = raw(worker, payload, bs, self._root(None, None), salvage)
+        if got is None:
+            return None
+        ts, events, stored, dup, removed, unknown, cleared, mismatch, flags, refused, rejected, last_clear, last_reject = got
+        mine = self._counters[worker]
+        if refused:
+            mine[_UNKNOWN_PARENTS] += 1
+            stats = ApplyStats(events, 0, 0, 0, 0, 0)
+        else:
+            mine[_UNKNOWN_REMOVALS] += unknown
+            mine[_TIER_MISMATCHES] += mismatch
+            mine[_DUPLICATES] += dup
+            mine[_UNKNOWN_PARENTS] += rejected
+            stats = ApplyStats(events, stored, dup, removed, unknown, cleared)
+        return RawApplied(
+            ts, stats, bool(flags & 1), bool(flags & 2), bool(refused), rejected, last_clear, last_reject
+        )
 
     def _validate(self, worker: str, ev: Event) -> None:
         """Reject a malformed event before anything of the batch is applied."""

@@ -44,6 +44,14 @@ Transitions:
 
 Decoding errors never reach this module (the subscriber drops bad frames).
 Single owner, like the index: not thread safe. O(events) per batch.
+
+The raw path: when the index has ``apply_raw`` (the native core), a live
+batch is first offered undecoded (``BatchReceived.payload``): the common
+case is applied in C without a Python object per block and without the GIL,
+and everything else (another block grid, LoRA, a first batch, ...) comes
+back untouched and takes the typed path below. The two are the same
+semantics (tests/property/test_raw_ingest.py): same counters, same state
+transitions, same salvage of a refused batch.
 """
 
 from __future__ import annotations
@@ -59,11 +67,13 @@ from tokenspeed_router.errors import IndexConsistencyError, WireError
 from tokenspeed_router.events.schema import AllBlocksCleared, BlockStored, KVEventBatch
 from tokenspeed_router.events.sequencing import SequenceTracker, VerdictKind
 from tokenspeed_router.events.subscriber import (
+    RESYNC_SHED,
     BatchReceived,
     PublisherRestarted,
     ResyncNeeded,
     SubscriberItem,
 )
+from tokenspeed_router.router.index import RawApplied
 
 __all__ = ["IndexIngestor", "IngestTarget", "WorkerState", "WorkerStatus"]
 
@@ -183,7 +193,9 @@ class IndexIngestor:
     ``resyncing`` worker back to ``live`` (see the module docstring).
     ``on_state_change(worker, state)`` is called after every state change; the
     server wires it to ``Router.set_cold(worker, state != "live")``.
-    ``clock`` only timestamps state changes.
+    ``clock`` only timestamps state changes. ``raw=False`` never offers
+    payloads to the index's ``apply_raw`` (the typed path only: the reference
+    the raw path is tested against).
     """
 
     def __init__(
@@ -193,6 +205,7 @@ class IndexIngestor:
         recovery_batches: int = 8,
         clock: Callable[[], float] = time.monotonic,
         on_state_change: Callable[[str, WorkerState], None] | None = None,
+        raw: bool = True,
     ) -> None:
         if recovery_batches < 1:
             raise ValueError(f"recovery_batches must be >= 1, got {recovery_batches}")
@@ -201,6 +214,9 @@ class IndexIngestor:
         self._clock = clock
         self._on_state_change = on_state_change
         self._tracks: dict[str, _Track] = {}
+        self._raw: Callable[..., RawApplied | None] | None = getattr(index, "apply_raw", None) if raw else None
+        #: live batches applied through the raw path (the rest were decoded)
+        self.raw_batches = 0
 
     # --- input ------------------------------------------------------------------
 
@@ -214,6 +230,8 @@ class IndexIngestor:
             t = self._track(item.worker)
             t.epoch = item.epoch
             t.last_seq = item.seq
+            if self._raw is not None and item.payload and self._apply_raw(item.worker, t, item):
+                return
             self._apply(item.worker, t, item.batch, item.recv_time_s)
         elif isinstance(item, PublisherRestarted):
             t = self._track(item.worker)
@@ -222,6 +240,8 @@ class IndexIngestor:
         elif isinstance(item, ResyncNeeded):
             t = self._track(item.worker)
             t.epoch = item.epoch
+            if item.reason == RESYNC_SHED:
+                t.last_seq = item.got_seq - 1  # consumed from the stream, on purpose not applied
             self._resync(
                 item.worker, t, f"{item.reason} (expected {item.expected_seq}, got {item.got_seq})"
             )
@@ -372,14 +392,49 @@ class IndexIngestor:
             self._salvage(worker, t, batch)
             return
         events = batch.events
+        self._applied(
+            worker, t, len(events),
+            clears=t.state is not WorkerState.LIVE and any(_clears_everything(e) for e in events),
+            stores=t.state is not WorkerState.LIVE and any(isinstance(e, BlockStored) for e in events),
+        )
+
+    def _apply_raw(self, worker: str, t: _Track, item: BatchReceived) -> bool:
+        """The raw path (module docstring): False when the batch must be decoded instead."""
+        assert self._raw is not None
+        got = self._raw(worker, item.payload)
+        if got is None:
+            return False
+        self.raw_batches += 1
+        t.last_batch_ts = got.ts
+        t.last_recv_time_s = item.recv_time_s
+        if not got.unknown_parent:
+            self._applied(worker, t, got.stats.events, clears=got.clears_everything, stores=got.stores)
+            return True
+        t.batches_rejected += 1
+        if t.state is not WorkerState.RESYNCING:
+            self._resync(worker, t, "batch rejected: a BlockStored's parent is not held")
+        salvaged = self._raw(worker, item.payload, salvage=True)
+        if salvaged is None:  # cannot be told apart from here: let the typed salvage decide
+            self._salvage(worker, t, item.batch)
+            return True
+        t.events_rejected += salvaged.rejected
+        t.events_applied += salvaged.stats.events - salvaged.rejected
+        t.clean_batches = 0
+        if salvaged.last_clear > salvaged.last_reject and t.state is WorkerState.RESYNCING:
+            self._set_state(worker, t, WorkerState.LIVE)
+        return True
+
+    def _applied(self, worker: str, t: _Track, events: int, *, clears: bool, stores: bool) -> None:
+        """A batch applied whole: count it and move the worker's state (``clears``:
+        an AllBlocksCleared of every tier; ``stores``: a BlockStored)."""
         t.batches_applied += 1
-        t.events_applied += len(events)
+        t.events_applied += events
         if t.state is WorkerState.LIVE:
             return
-        if any(_clears_everything(e) for e in events):
+        if clears:
             t.clean_batches = 0
             self._set_state(worker, t, WorkerState.LIVE)
-        elif any(isinstance(e, BlockStored) for e in events):
+        elif stores:
             t.clean_batches += 1
             if t.state is WorkerState.STALE or t.clean_batches >= self._recovery_batches:
                 t.clean_batches = 0

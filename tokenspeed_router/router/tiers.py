@@ -24,6 +24,7 @@ __all__ = [
     "STORAGE",
     "TIER_NAMES",
     "best_tier",
+    "known_media",
     "medium_code",
     "normalize_medium",
     "tier_names",
@@ -80,6 +81,11 @@ def medium_code(medium: str | None) -> int:
     if len(_CODE_CACHE) < 1024:
         _CODE_CACHE[medium] = code
     return code
+
+
+def known_media() -> dict[str, int]:
+    """Every known spelling (lowercase, stripped) and its tier code, e.g. for the native decoder."""
+    return dict(_CODE_OF_NAME)
 
 
 def normalize_medium(medium: str | None) -> str:

@@ -81,6 +81,7 @@ from tokenspeed_router.server.explain import ExplainSampler, ExplainStats, Expla
 from tokenspeed_router.server.ingest_loop import IngestLoop
 from tokenspeed_router.server.metrics import (
     IndexCoreCollector,
+    IngestQueueCollector,
     ServiceMetrics,
     WorkerSample,
     WorkerStateCollector,
@@ -195,6 +196,9 @@ class RouterService:
         self.metrics = ServiceMetrics(self._lock)
         self.metrics.add_collector(WorkerStateCollector(self._worker_samples))
         self.metrics.add_collector(IndexCoreCollector(lambda: self._index.implementation))
+        self.metrics.add_collector(
+            IngestQueueCollector(lambda: self._loop.queue_stats() if self._loop is not None else {})
+        )
         self._wall_clock = wall_clock
         self._started_s = time.monotonic()
         self._own_context = context is None
@@ -270,6 +274,8 @@ class RouterService:
             on_error=self.metrics.ingest_errors.inc,
             stale_after_s=self.config.stale_after_s,
             replay_timeout_s=self.config.replay_timeout_s,
+            max_lag_s=self.config.ingest_max_lag_s,
+            queue_capacity=self.config.ingest_queue,
         )
         self._loop.start(subs if self._ingesting else [])
         self._serving = True
@@ -442,9 +448,9 @@ class RouterService:
                     replayed = self._workers.replayed
                     replayed[item.worker] = replayed.get(item.worker, 0) + 1
             self._ingestor.on_item(item)  # the index locks per event: queries run meanwhile
-            if isinstance(item, BatchReceived) and item.batch.ts > 0:
+            if isinstance(item, BatchReceived) and item.batch_ts > 0:
                 # publisher's timestamp -> visible to queries (same host clock assumed)
-                self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch.ts))
+                self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch_ts))
 
     def apply_record(
         self, worker: str, seq: int, batch: KVEventBatch, recv_time_s: float, *, payload: bytes | None = None
@@ -653,11 +659,12 @@ class RouterService:
         now = self._wall_clock()
         connected = self._loop.connected() if self._loop is not None else {}
         stats = self._loop.statistics() if self._loop is not None else {}
+        lag = self._loop.lag() if self._loop is not None else {}
         with self._lock:
             peers = self._peer_load.peers() if self._peer_load is not None else {}
             out = worker_entries(
                 self._workers, self._index, self._ingestor.statuses(), self._router.load(), stats, connected, now,
-                peers=peers,
+                peers=peers, ingest_lag=lag,
             )
         if self._peer_load is not None:
             # other replicas' in-flight work: "shared", or "degraded" (Redis down: local view only)
@@ -676,6 +683,7 @@ class RouterService:
         ``ok``/``degraded`` (see ``server/http.py``).
         """
         state = self._state_health() if self._state_health is not None else None
+        lag = self._loop.lag() if self._loop is not None else {}
         problems: list[str] = []
         if self._workers.streams:
             with self._lock:
@@ -697,6 +705,8 @@ class RouterService:
             "index_core": self._index.implementation,  # native, or reference (pure Python: slow)
             "ingesting": self._loop is not None and self._loop.running,  # the loop runs
             "subscribed": self._ingesting,  # False while a replicated backend leads elsewhere
+            # streams whose events reach the index late (informational: still served, see /workers)
+            "lagging": sorted(n for n, st in lag.items() if st.lagging),
             **({"state": state} if state is not None else {}),
         }
 
@@ -761,9 +771,10 @@ class RouterService:
     def _worker_samples(self) -> Iterator[WorkerSample]:
         now = self._wall_clock()
         stats = self._loop.statistics() if self._loop is not None else {}
+        lag = self._loop.lag() if self._loop is not None else {}
         with self._lock:
             samples = worker_samples(self._workers, self._index, self._ingestor.statuses(), stats, now,
-                                     self._router.load())
+                                     self._router.load(), lag)
         return iter(samples)
 
     @contextmanager

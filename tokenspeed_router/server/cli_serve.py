@@ -86,6 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--reuse-port", action="store_true",
         help="bind the HTTP port with SO_REUSEPORT, so other processes may listen on it too",
     )
+    parser.add_argument(
+        "--ingest-max-lag-s", type=float, metavar="S",
+        help="a worker's stream more than S seconds behind its publisher sheds its backlog and resyncs (default 1)",
+    )
+    parser.add_argument(
+        "--ingest-queue", type=int, metavar="N",
+        help="event batches queued between receiving and applying; a full queue holds the receiver back (default 4096)",
+    )
     add_gateway_arguments(parser)
     add_explain_arguments(parser)
     add_listener_arguments(parser)
@@ -146,6 +154,8 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> ServerConfig
         "router": args.router_option,
         "stale_after_s": getattr(args, "stale_after_s", None),
         "replay_timeout_s": getattr(args, "replay_timeout_s", None),
+        "ingest_max_lag_s": getattr(args, "ingest_max_lag_s", None),
+        "ingest_queue": getattr(args, "ingest_queue", None),
         "inflight_timeout_s": args.inflight_timeout_s,
         "max_body_bytes": args.max_body_bytes,
         "max_tokens": args.max_tokens,

@@ -107,6 +107,10 @@ class ServerConfig:
     limits: ApiLimits = field(default_factory=ApiLimits)
     stale_after_s: float = 10.0
     replay_timeout_s: float = 2.0
+    #: a stream more than this far behind its publisher sheds its backlog (server/apply_queue.py)
+    ingest_max_lag_s: float = 1.0
+    #: batches queued between the receiving and the applying thread (back-pressure beyond)
+    ingest_queue: int = 4096
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     #: why this worker: --decision-log, --explain-sample (server/explain.py)
     explain: ExplainConfig = field(default_factory=ExplainConfig)
@@ -128,10 +132,12 @@ class ServerConfig:
             parse_endpoint(self.zmq_api, what="zmq_api")
         if self.auth_token is not None and (not self.auth_token or self.auth_token != self.auth_token.strip()):
             raise ConfigError("auth_token must be non-empty and have no surrounding whitespace")
-        for name in ("stale_after_s", "replay_timeout_s"):
+        for name in ("stale_after_s", "replay_timeout_s", "ingest_max_lag_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
+        if type(self.ingest_queue) is not int or self.ingest_queue < 1:
+            raise ConfigError(f"ingest_queue must be a positive integer, got {self.ingest_queue!r}")
 
     def subscribers(self) -> list[SubscriberSpec]:
         return [sub for spec in self.workers for sub in spec.subscribers()]
@@ -239,6 +245,8 @@ _SCALARS: dict[str, Callable[[Any, str], Any]] = {
     "policy": _text,
     "stale_after_s": _positive_float,
     "replay_timeout_s": _positive_float,
+    "ingest_max_lag_s": _positive_float,
+    "ingest_queue": lambda v, what: _int(v, what, low=1),
     "inflight_timeout_s": _positive_float,
     "max_body_bytes": _int,
     "max_tokens": _int,
@@ -381,7 +389,7 @@ def load_server_config(
             kwargs["auth_token"] = Path(token_file[0]).read_text().strip() or None
         except OSError as err:
             raise ConfigError(f"auth_token_file: {err}") from err
-    for key in ("stale_after_s", "replay_timeout_s"):
+    for key in ("stale_after_s", "replay_timeout_s", "ingest_max_lag_s", "ingest_queue"):
         if key in values:
             kwargs[key] = values[key][0]
     limits = {k: values[k][0] for k in ("max_body_bytes", "max_tokens") if k in values}

@@ -1,5 +1,9 @@
 """The ingestion thread: owns every subscriber socket and feeds the ingest sink.
 
+It *receives*; a second thread applies (``server/apply_queue.py``: a bounded
+queue between the two, back-pressure, the lag per worker, and shedding a
+stream that fell more than ``max_lag_s`` behind its publisher).
+
 Why a dedicated thread and not the HTTP event loop: receiving and decoding
 batches (and merging a replay answer, which may hold a whole ring) is CPU
 work that would stall every request on the query loop; here it only delays
@@ -37,11 +41,13 @@ from zmq.utils.monitor import recv_monitor_message
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.events.frames import ipv6_endpoint
 from tokenspeed_router.events.subscriber import (
+    BatchReceived,
     EventSubscriber,
     SubscriberItem,
     SubscriberStatistics,
 )
 from tokenspeed_router.events.subscriber_group import SubscriberGroup
+from tokenspeed_router.server.apply_queue import ApplyQueue, IngestLag, LagStatus
 from tokenspeed_router.server.config import SubscriberSpec
 
 __all__ = ["IngestLoop", "StreamState"]
@@ -72,8 +78,14 @@ class StreamState:
 class IngestLoop:
     """Polls all subscribers and hands every item to ``submit`` (in delivery order).
 
-    ``on_stale(name)`` is called (from this thread) when a stream's endpoint has
-    been gone for ``stale_after_s``. ``on_error`` counts items ``submit`` failed on.
+    ``submit`` runs on the applying thread (``tokenspeed-apply``), fed through
+    a queue of ``queue_capacity`` items. ``on_stale(name)`` is called (from
+    the receiving thread) when a stream's endpoint has been gone for
+    ``stale_after_s``. ``on_error`` counts items ``submit`` failed on. A live
+    batch received more than ``max_lag_s`` after its publisher's timestamp
+    (offset-corrected) makes that stream shed its socket backlog; a worker
+    whose batches reach the index more than ``max_lag_s / 4`` late is
+    reported lagging (:meth:`lag`).
     """
 
     def __init__(
@@ -86,9 +98,15 @@ class IngestLoop:
         stale_after_s: float,
         replay_timeout_s: float,
         max_payload_bytes: int = 64 << 20,
+        max_lag_s: float = 1.0,
+        queue_capacity: int = 4096,
     ) -> None:
+        if not max_lag_s > 0:
+            raise ValueError(f"max_lag_s must be > 0, got {max_lag_s}")
         self._ctx = context
-        self._submit = submit
+        self._lag = IngestLag(lagging_after_s=max_lag_s / 4)
+        self._queue = ApplyQueue(submit, capacity=queue_capacity, lag=self._lag, on_error=on_error)
+        self._max_lag_s = max_lag_s
         self._on_stale = on_stale
         self._on_error = on_error
         self._stale_after_s = stale_after_s
@@ -107,13 +125,14 @@ class IngestLoop:
     # --- lifecycle (any thread) ---------------------------------------------------
 
     def start(self, initial: list[SubscriberSpec], timeout_s: float = 10.0) -> None:
-        """Start the thread and open the initial streams (errors raise here)."""
+        """Start the threads and open the initial streams (errors raise here)."""
+        self._queue.start()
         self._thread = threading.Thread(target=self._run, name="tokenspeed-ingest", daemon=True)
         self._thread.start()
         self.call(lambda: self._open_all(initial), timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop polling and close every subscriber; returns when the thread has exited."""
+        """Stop polling, close every subscriber, apply what was received; returns when both threads exited."""
         self._stop.set()
         self._commands.put((lambda: None, Future()))  # wakes a loop idle on its queue
         if self._thread is not None:
@@ -121,6 +140,7 @@ class IngestLoop:
             if self._thread.is_alive():
                 logger.error("ingestion thread did not stop within %.1fs", timeout_s)
             self._thread = None
+        self._queue.stop(timeout_s)
 
     @property
     def running(self) -> bool:
@@ -152,6 +172,11 @@ class IngestLoop:
         state = self._streams.pop(name, None)
         if state is None:
             return False
+        # What was received is applied before the stream goes: a removed worker must
+        # not be re-created by its own late items, a leader stepping down hands all on.
+        if not self._queue.flush():
+            logger.warning("worker=%s: items still queued when its stream closed", name)
+        self._lag.forget(name)
         sock = state.subscriber.socket
         self._group.remove(name)
         if state.monitor is not None:
@@ -177,6 +202,25 @@ class IngestLoop:
     def statistics(self) -> dict[str, SubscriberStatistics]:
         """Each stream's subscriber counters, refreshed by the loop every 50 ms (any thread)."""
         return dict(self._stats_snapshot)
+
+    def lag(self) -> dict[str, LagStatus]:
+        """Each stream's ingest lag, queued items and shedding (any thread)."""
+        return self._lag.status()
+
+    def queue_stats(self) -> dict[str, float]:
+        """The apply queue: depth now, its capacity and high-water mark, back-pressure waits."""
+        q = self._queue
+        return {
+            "depth": float(q.depth),
+            "capacity": float(q.capacity),
+            "max_depth": float(q.max_depth),
+            "full_waits": float(q.full_waits),
+            "full_wait_s": q.full_wait_s,
+        }
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every item received so far is applied (any thread but the applying one)."""
+        return self._queue.flush(timeout_s)
 
     def _open_all(self, specs: list[SubscriberSpec]) -> None:
         self.open_streams(specs)
@@ -271,16 +315,41 @@ class IngestLoop:
             watch=list(self._by_monitor),
             on_error=lambda sub: self._error(f"worker={sub.worker} receive failed"),
         )
+        behind: set[str] = set()
+        seen: set[str] = set()
         for item in items:
-            stream = self._streams.get(item.worker)
-            if stream is not None and not stream.connected:
-                self._set_connected(stream, True)
-            try:
-                self._submit(item)
-            except Exception:
-                self._error(f"worker={item.worker} submit failed")
+            name = item.worker
+            if name not in seen:
+                seen.add(name)
+                stream = self._streams.get(name)
+                if stream is not None and not stream.connected:
+                    self._set_connected(stream, True)
+            if isinstance(item, BatchReceived) and self._lag.receive_excess(item) > self._max_lag_s:
+                behind.add(name)
+        self._queue.put(items)  # waits while the queue is full: back-pressure
+        for name in behind:
+            self._shed(name)
+        for name in self._streams:
+            if name not in seen:
+                self._lag.caught_up(name)  # its socket was empty
         for monitor in ready_monitors:
             self._monitor_events(self._by_monitor[monitor])
+
+    def _shed(self, name: str) -> None:
+        """``name`` is more than max_lag_s behind: drop its socket backlog (counted)."""
+        stream = self._streams.get(name)
+        if stream is None:
+            return
+        before = stream.subscriber.statistics().shed
+        out = stream.subscriber.shed_backlog()
+        dropped = stream.subscriber.statistics().shed - before
+        if dropped:
+            self._lag.shed(name, dropped)
+            logger.warning(
+                "worker=%s more than %.2fs behind its publisher: shed %d queued batches; "
+                "it resyncs (cold until consistent)", name, self._max_lag_s, dropped,
+            )
+        self._queue.put(out)
 
     def _idle_wait(self) -> None:
         """Block on the command queue while no stream is open.
@@ -360,6 +429,7 @@ class IngestLoop:
                     "worker=%s stale: endpoint %s unreachable for %.1fs",
                     stream.spec.name, stream.spec.events, now - stream.down_since_s,
                 )
+                self._queue.flush(1.0)  # what it sent before going quiet lands first
                 try:
                     self._on_stale(stream.spec.name)
                 except Exception:

@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 __all__ = [
     "CONTENT_TYPE",
+    "IngestQueueCollector",
     "LatencyHistogram",
     "QueryCollector",
     "QueryStats",
@@ -74,6 +75,10 @@ class WorkerSample:
     in_flight_requests: int = 0
     pending_prefill_tokens: int = 0
     active_tokens: int = 0
+    shed_batches: int = 0
+    queued: int = 0
+    lagging: bool = False
+    apply_delay_s: float | None = None
 
 
 class IndexCoreCollector(Collector):
@@ -132,6 +137,10 @@ class WorkerStateCollector(Collector):
             "replay_requests": ("tokenspeed_ingest_replay_requests", "replays asked of the publisher"),
             "replay_timeouts": ("tokenspeed_ingest_replay_timeouts", "replays the publisher did not answer in time"),
             "malformed": ("tokenspeed_ingest_malformed_frames", "frames skipped as malformed (bad seq, payload, topic)"),
+            "shed_batches": (
+                "tokenspeed_ingest_shed_batches",
+                "batches dropped undecoded because the stream fell more than ingest_max_lag_s behind (then resynced)",
+            ),
         }
         for attr, (name, doc) in counters.items():
             fam = CounterMetricFamily(name, doc, labels=["worker"])
@@ -164,6 +173,22 @@ class WorkerStateCollector(Collector):
         for s in samples:
             for attr, gauge in load.items():
                 gauge.add_metric([s.name], float(getattr(s, attr)))
+        queued = GaugeMetricFamily(
+            "tokenspeed_ingest_queued_items", "items received for the worker, not applied yet", labels=["worker"]
+        )
+        delay = GaugeMetricFamily(
+            "tokenspeed_ingest_apply_delay_seconds",
+            "publisher timestamp to applied for the worker's last live batch (host clock offset removed)",
+            labels=["worker"],
+        )
+        lagging = GaugeMetricFamily(
+            "tokenspeed_worker_lagging", "1 while the worker's events reach the index late", labels=["worker"]
+        )
+        for s in samples:
+            queued.add_metric([s.name], float(s.queued))
+            lagging.add_metric([s.name], 1.0 if s.lagging else 0.0)
+            if s.apply_delay_s is not None:
+                delay.add_metric([s.name], s.apply_delay_s)
             if s.lag_s is not None:
                 lag.add_metric([s.name], s.lag_s)
             for tier, n in sorted(s.blocks_by_tier.items()):
@@ -171,7 +196,37 @@ class WorkerStateCollector(Collector):
             for st in self.STATES:
                 state.add_metric([s.name, st], 1.0 if s.state == st else 0.0)
             info.add_metric([s.name, s.role], 1.0)
-        yield from (lag, blocks, state, info, *load.values())
+        yield from (lag, blocks, state, info, *load.values(), queued, delay, lagging)
+
+
+class IngestQueueCollector(Collector):
+    """The apply queue between receiving and applying (``server/apply_queue.py``), at scrape time."""
+
+    def __init__(self, sample: Callable[[], dict[str, float]]) -> None:
+        self._sample = sample
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        q = self._sample()
+        if not q:
+            return
+        yield GaugeMetricFamily("tokenspeed_ingest_queue_depth", "items waiting to be applied", value=q["depth"])
+        yield GaugeMetricFamily(
+            "tokenspeed_ingest_queue_capacity", "items the queue holds before the receiver waits", value=q["capacity"]
+        )
+        yield GaugeMetricFamily(
+            "tokenspeed_ingest_queue_max_depth", "the most items ever waiting at once", value=q["max_depth"]
+        )
+        yield CounterMetricFamily(
+            "tokenspeed_ingest_queue_full_waits", "times the receiver waited for room (back-pressure)",
+            value=q["full_waits"],
+        )
+        yield CounterMetricFamily(
+            "tokenspeed_ingest_queue_full_wait_seconds", "time the receiver spent waiting for room",
+            value=q["full_wait_s"],
+        )
 
 
 class LatencyHistogram:

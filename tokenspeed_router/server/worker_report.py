@@ -14,6 +14,7 @@ from typing import Any
 from tokenspeed_router.router.index import KvIndex
 from tokenspeed_router.router.ingest import WorkerStatus
 from tokenspeed_router.router.router import WorkerRole
+from tokenspeed_router.server.apply_queue import LagStatus
 from tokenspeed_router.server.metrics import WorkerSample
 from tokenspeed_router.server.workers import WorkerRegistry
 
@@ -30,6 +31,7 @@ def worker_entries(
     now: float,
     *,
     peers: Mapping[str, Any] | None = None,
+    ingest_lag: Mapping[str, LagStatus] | None = None,
 ) -> dict[str, Any]:
     """``GET /workers``: ``{name: info}`` per stream, at the top level (DESIGN §6).
 
@@ -38,9 +40,12 @@ def worker_entries(
     since the worker's last batch timestamp, also as ``lag``), plus
     counters and endpoints, and ``index_core`` (``native`` or ``reference``:
     which KvIndex core runs). ``peers``: other router replicas' in-flight load
-    per worker (shared load), reported as ``in_flight_peers``.
+    per worker (shared load), reported as ``in_flight_peers``. ``ingest_lag``:
+    the apply queue's view (``lagging``: its events reach the index late;
+    ``ingest_queued``, ``apply_delay_s``, ``shed_batches``).
     """
     peers = peers or {}
+    queue = ingest_lag or {}
     out: dict[str, Any] = {}
     for name in registry.names(statuses):
         st = statuses.get(name)
@@ -80,6 +85,10 @@ def worker_entries(
             # requests other router replicas have in flight there (shared load)
             "in_flight_peers": peers[name].active_requests if name in peers else 0,
             "connected": connected.get(name),
+            "lagging": queue[name].lagging if name in queue else False,
+            "ingest_queued": queue[name].queued if name in queue else 0,
+            "apply_delay_s": queue[name].apply_delay_s if name in queue else None,
+            "shed_batches": queue[name].shed_batches if name in queue else 0,
             "events_endpoint": sub.events if sub is not None else None,
             "replay_endpoint": sub.replay if sub is not None else None,
             "topic": sub.topic if sub is not None else None,
@@ -94,10 +103,12 @@ def worker_samples(
     stats: Mapping[str, Any],
     now: float,
     load: Mapping[str, Any] | None = None,
+    lag: Mapping[str, LagStatus] | None = None,
 ) -> list[WorkerSample]:
     """One Prometheus sample per worker the ingestor knows (``/metrics``); ``load``: the
-    router's in-flight load per worker (``WorkerLoad``)."""
+    router's in-flight load per worker (``WorkerLoad``); ``lag``: the apply queue's view."""
     load = load or {}
+    lag = lag or {}
     return [
         WorkerSample(
             name=name,
@@ -119,6 +130,10 @@ def worker_samples(
             in_flight_requests=getattr(load.get(name), "active_requests", 0),
             pending_prefill_tokens=getattr(load.get(name), "pending_prefill_tokens", 0),
             active_tokens=getattr(load.get(name), "active_tokens", 0),
+            shed_batches=lag[name].shed_batches if name in lag else 0,
+            queued=lag[name].queued if name in lag else 0,
+            lagging=lag[name].lagging if name in lag else False,
+            apply_delay_s=lag[name].apply_delay_s if name in lag else None,
         )
         for name, st in statuses.items()
     ]

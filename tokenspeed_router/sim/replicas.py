@@ -10,8 +10,11 @@ prefix hashes; ``receive_now`` folds the peers' into the router's view and
 predictions), carried by an in-memory bus on the simulator's clock that
 delivers each message ``delay_s`` after it was sent: Redis Pub/Sub's
 delivery time, measured by ``benchmarks/bench_flight.py``, is what to put
-there. A replica whose work changed publishes at most once per 1 ms
-(``load_min_interval_s``), as the live publishing thread does.
+there. A replica publishes on every change of its work: the live thread's
+coalescing (one message per ``load_min_interval_s``, 1 ms) cannot be
+modelled here without a timer (the simulator only runs at events, so a
+held-back message would wait for the next event, far longer than 1 ms),
+and is part of the delay instead.
 
 Sharing: ``None`` (each replica alone), ``"load"`` (totals only, no route
 predictions) or ``"all"`` (the production default).
@@ -103,7 +106,7 @@ class ReplicaSet:
                                    signal_prefill_done=signal_prefill_done) for _ in range(n)]
         self.needs_events = self.reps[0].needs_events
         self.sim = sim
-        self.min_interval_s = 0.001
+        self.min_interval_s = 0.0  # every change goes out (see the module docstring)
         self.dirty = [False] * n
         self.owner: dict[str, int] = {}
         self.turn = 0

@@ -280,6 +280,10 @@ class SharedLoad:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._last_ok: float | None = None
+        #: when each direction last worked (a broken subscription with working
+        #: publishes must still end in fallback: the peers' view ages out)
+        self._last_pub_ok: float | None = None
+        self._last_sub_ok: float | None = None
         self._pub_ok = True
         self._sub_ok = True
         self._fallback = False
@@ -388,6 +392,7 @@ class SharedLoad:
         self._syncs += 1
         self._predictions_sent += len(routes)
         self._pub_ok = True
+        self._last_pub_ok = self._clock()
         self._answered()
         if outgoing:
             self._dirty.set()  # more routes than one message carries
@@ -451,6 +456,7 @@ class SharedLoad:
             self._expire()
             return False
         self._sub_ok = True
+        self._last_sub_ok = self._clock()
         self._answered()
         changed = False
         now_wall = time.time()
@@ -498,8 +504,11 @@ class SharedLoad:
         return False
 
     def _publish_view(self) -> None:
+        if self._fallback:  # the local view only, until Redis answers both ways
+            self._peers = {}
+            return
         sums: dict[str, list[int]] = {}
-        for p in self._view.values():
+        for p in list(self._view.values()):  # one C-level copy: the other thread may change it
             for worker, (r, q, a) in p.load.items():
                 s = sums.setdefault(worker, [0, 0, 0])
                 s[0] += r
@@ -515,8 +524,11 @@ class SharedLoad:
             if self._fallback or self._last_error is not None:
                 logger.warning("state: load sharing back (Redis answers again); %d peer replica(s)",
                                len(self._view))
+            was_fallback = self._fallback
             self._fallback = False
             self._last_error = None
+            if was_fallback:
+                self._publish_view()
 
     def _failed(self, err: BaseException) -> None:
         self._sync_errors += 1
@@ -531,7 +543,10 @@ class SharedLoad:
             return True
         if self._pub_ok and self._sub_ok:
             return False
-        age = None if self._last_ok is None else self._clock() - self._last_ok
+        failing = [t for ok, t in ((self._pub_ok, self._last_pub_ok), (self._sub_ok, self._last_sub_ok))
+                   if not ok]
+        last = None if any(t is None for t in failing) else min(t for t in failing if t is not None)
+        age = None if last is None else self._clock() - last
         if age is not None and age < self._config.load_ttl_s:
             return False
         self._fallback = True

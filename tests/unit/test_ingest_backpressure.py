@@ -1,0 +1,170 @@
+"""Ingest off the query path: the apply queue's back-pressure, lag and shedding (real ZeroMQ)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from support import wait_until
+from support.server import batch, stored, tokens
+
+from tokenspeed_router.events.publisher import ZmqEventPublisher
+from tokenspeed_router.events.schema import AllBlocksCleared, KVEventBatch
+from tokenspeed_router.events.subscriber import (
+    RESYNC_SHED,
+    BatchReceived,
+    EventSubscriber,
+    ResyncNeeded,
+    SubscriberItem,
+)
+from tokenspeed_router.server import RouterService, ServerConfig, WorkerSpec
+from tokenspeed_router.server.apply_queue import ApplyQueue, IngestLag
+
+
+def _item(worker: str, seq: int, ts: float) -> BatchReceived:
+    b = KVEventBatch(ts, [stored(tokens(seq, 1))])
+    return BatchReceived(worker, seq, b, b"", b"", time.time(), 0, False)
+
+
+def test_queue_applies_in_order_and_holds_the_receiver_back_when_full() -> None:
+    gate = threading.Event()
+    applied: list[int] = []
+
+    def apply(item: SubscriberItem) -> None:
+        gate.wait(10)
+        assert isinstance(item, BatchReceived)
+        applied.append(item.seq)
+
+    lag = IngestLag(lagging_after_s=0.25)
+    queue = ApplyQueue(apply, capacity=2, lag=lag, on_error=lambda: None)
+    queue.start()
+    try:
+        now = time.time()
+        queue.put([_item("w", 0, now)])  # taken by the applying thread, which waits at the gate
+        wait_until(lambda: queue.depth == 0, 5, what="first item taken")
+        queue.put([_item("w", 1, now), _item("w", 2, now)])  # fills the queue
+        done = threading.Event()
+        putter = threading.Thread(target=lambda: (queue.put([_item("w", 3, now)]), done.set()))
+        putter.start()
+        wait_until(lambda: queue.full_waits == 1, 5, what="the receiver waits for room")
+        assert not done.is_set() and lag.status()["w"].queued == 4
+        gate.set()
+        putter.join(5)
+        assert done.is_set() and queue.flush(10)
+        assert applied == [0, 1, 2, 3]
+        assert lag.status()["w"].queued == 0 and queue.max_depth == 2
+    finally:
+        gate.set()
+        queue.stop()
+
+
+def test_apply_errors_are_counted_not_fatal() -> None:
+    errors: list[int] = []
+    seen: list[int] = []
+
+    def apply(item: SubscriberItem) -> None:
+        assert isinstance(item, BatchReceived)
+        if item.seq == 1:
+            raise RuntimeError("boom")
+        seen.append(item.seq)
+
+    queue = ApplyQueue(apply, capacity=8, lag=IngestLag(lagging_after_s=1), on_error=lambda: errors.append(1))
+    queue.start()
+    try:
+        queue.put([_item("w", i, time.time()) for i in range(3)])
+        assert queue.flush(5)
+        assert seen == [0, 2] and errors == [1]
+    finally:
+        queue.stop()
+
+
+def test_lag_is_measured_against_the_streams_own_clock_offset() -> None:
+    lag = IngestLag(lagging_after_s=0.25)
+    now = time.time()
+    skewed = now + 100.0  # a publisher whose clock runs 100 s ahead: every delay looks like -100 s
+    on_time = BatchReceived("w", 0, KVEventBatch(skewed, []), b"", b"", now, 0, False)
+    assert lag.receive_excess(on_time) == 0.0
+    late = BatchReceived("w", 1, KVEventBatch(skewed - 3.0, []), b"", b"", now + 0.001, 0, False)
+    assert 2.9 < lag.receive_excess(late) < 3.1  # 3 s later than this stream's floor
+    lag.queued("w", 1)
+    lag.applied(late, now + 0.002)
+    st = lag.status()["w"]
+    assert st.lagging and st.apply_delay_s is not None and st.apply_delay_s > 2.9
+    lag.caught_up("w")
+    assert not lag.status()["w"].lagging
+
+
+def test_subscriber_sheds_its_socket_backlog_without_replaying_it() -> None:
+    with ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*") as pub, \
+            EventSubscriber("w", pub.endpoint, replay_endpoint=pub.replay_endpoint) as sub:
+        got: list[SubscriberItem] = []
+
+        def live_batch() -> bool:  # the SUB connection is up once a batch arrives live, not replayed
+            pub.publish(batch(stored(tokens(1, 1))))
+            got.extend(sub.poll(0.05))
+            return any(isinstance(i, BatchReceived) and not i.replayed for i in got) and not sub.statistics().replaying
+
+        wait_until(live_batch, 10, what="a live batch")
+        first = pub.statistics().published - 1
+        wait_until(lambda: got.extend(sub.poll(0.05)) or sub.last_seq == first, 10, what="all received")
+        requests = sub.statistics().replay_requests
+        for k in range(20):
+            pub.publish(batch(stored(tokens(10 + k, 1))))
+        pub.wait_sent(5)
+        shed: list[SubscriberItem] = []
+        wait_until(lambda: shed.extend(sub.shed_backlog()) or sub.statistics().shed == 20, 10, what="all 20 shed")
+        resyncs = [i for i in shed if isinstance(i, ResyncNeeded)]
+        assert resyncs and all(r.reason == RESYNC_SHED for r in resyncs)
+        assert (resyncs[0].expected_seq, resyncs[-1].got_seq) == (first + 1, first + 21)
+        assert not any(isinstance(i, BatchReceived) for i in shed)
+        pub.publish(batch(stored(tokens(99, 1))))
+        after: list[SubscriberItem] = []
+        wait_until(lambda: after.extend(sub.poll(0.05)) or after, 10, what="the next batch")
+        assert [(type(i), getattr(i, "seq", None)) for i in after] == [(BatchReceived, first + 21)]
+        stats = sub.statistics()
+        assert stats.replay_requests == requests and stats.gaps == 0  # nothing asked again
+
+
+def test_service_sheds_a_stream_that_fell_behind_and_recovers() -> None:
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", hwm=100_000)
+    config = ServerConfig(
+        http=None, ingest_max_lag_s=0.5, ingest_queue=1,
+        workers=(WorkerSpec(name="w0", events=pub.endpoint, replay=pub.replay_endpoint),),
+    )
+    service = RouterService(config)
+    service.start()
+    try:
+        first = tokens(1, 2)
+        pub.publish(KVEventBatch(time.time(), [stored(first)]))
+        wait_until(lambda: service.match(first).scores.get("w0") == 2, 10, what="first batch applied")
+
+        def on_time_live_batch() -> bool:  # the join may deliver the first one through replay
+            pub.publish(KVEventBatch(time.time(), []))
+            pub.wait_sent(5)
+            return service.workers()["w0"]["apply_delay_s"] is not None
+
+        wait_until(on_time_live_batch, 10, interval_s=0.05, what="a live batch sets the stream's clock floor")
+        base = service.workers()["w0"]["batches_applied"]
+        late = 800
+        with service.locked():  # the applying thread waits: queue full, receiver held back
+            for k in range(late):
+                pub.publish(KVEventBatch(time.time() - 5.0, [stored(tokens(100 + k, 1))]))
+            pub.wait_sent(10)
+            wait_until(lambda: service.workers()["w0"]["ingest_queued"] >= 2, 10, what="receiver blocked")
+
+        def accounted() -> bool:
+            w = service.workers()["w0"]
+            return bool(w["batches_applied"] + w["shed_batches"] >= base + late and w["resyncs"] >= 1)
+
+        wait_until(accounted, 20, what="every late batch applied or shed")
+        w = service.workers()["w0"]
+        assert w["shed_batches"] > 0 and w["resyncs"] >= 1 and w["state"] == "resyncing"
+        assert b"tokenspeed_ingest_shed_batches_total" in service.metrics_text()
+        assert service.match(first).scores.get("w0", 0) == 0  # entries dropped, never stale
+        assert isinstance(service.health()["lagging"], list)
+        pub.publish(KVEventBatch(time.time(), [AllBlocksCleared()]))  # exact again from here
+        wait_until(lambda: service.workers()["w0"]["state"] == "live", 10, what="live again")
+        wait_until(lambda: not service.workers()["w0"]["lagging"], 10, what="caught up")
+    finally:
+        service.stop()
+        pub.close()
