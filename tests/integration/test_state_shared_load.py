@@ -21,7 +21,7 @@ from support.server import ServeProcess
 from support.state_harness import make_config
 
 from tokenspeed_router.events.publisher import ZmqEventPublisher
-from tokenspeed_router.router.router import Router
+from tokenspeed_router.router.router import Router, RouterConfig
 from tokenspeed_router.state.load import SharedLoad
 
 pytestmark = pytest.mark.redis
@@ -42,7 +42,10 @@ class Replica:
     def __init__(self, url: str | None, name: str, **overrides: Any) -> None:
         self.name = name
         self.lock = threading.Lock()
-        self.router = Router(None)
+        # Cost model v1: its load is time-free, so "decide as one router" is exact. v2's
+        # queue clock decays on the wall clock, and these replicas wait for Redis between
+        # requests while the single reference router does not.
+        self.router = Router(None, RouterConfig(cost_model="v1"))
         for w in WORKERS:
             self.router.add_worker(w)
         self.shared: SharedLoad | None = None
@@ -191,8 +194,9 @@ def test_two_serve_processes_share_load(redis_url: str, tmp_path: Path) -> None:
             for _ in WORKERS]
     specs = [a for w, p in zip(WORKERS, pubs, strict=True)
              for a in ("--worker", f"name={w},events={p.endpoint},replay={p.replay_endpoint}")]
-    procs = [ServeProcess([*specs, "--state", f"{redis_url}?replica_id={n}&load_ttl_s=1.0"
-                                              "&lease_ttl_s=1.5&read_block_ms=50"], tmp_path)
+    procs = [ServeProcess([*specs, "--router-option", "cost_model=v1",  # as Replica: see there
+                           "--state", f"{redis_url}?replica_id={n}&load_ttl_s=1.0"
+                                      "&lease_ttl_s=1.5&read_block_ms=50"], tmp_path)
              for n in ("ra", "rb")]
     try:
         for p in procs:

@@ -18,6 +18,7 @@ from support.server import batch, stored, tokens
 from tokenspeed_router.cli import main
 from tokenspeed_router.events.codec import encode_batch
 from tokenspeed_router.events.log import EventLogWriter
+from tokenspeed_router.router.router import RouterConfig
 from tokenspeed_router.server import RouterService, ServerConfig
 from tokenspeed_router.server.explain import ExplainConfig
 
@@ -30,7 +31,9 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int]:
     tmp = tmp_path_factory.mktemp("decisions")
     events, dlog = tmp / "events.tslog", tmp / "d.jsonl"
     clock = [T0]
-    service = RouterService(ServerConfig(http=None, explain=ExplainConfig(decision_log=str(dlog))),
+    # cost model v1: the log records its terms, and the replay re-decides with them
+    service = RouterService(ServerConfig(http=None, explain=ExplainConfig(decision_log=str(dlog)),
+                                         router=RouterConfig(cost_model="v1")),
                             wall_clock=lambda: clock[0])
     service.start()
     writer = EventLogWriter(events, meta={"source": "test"})

@@ -374,3 +374,47 @@ def test_no_worker_with_a_url_is_a_503_in_openai_shape() -> None:
             assert client.get("/v1/models").status_code == 503
     finally:
         service.stop()
+
+
+# --- gradual trust (issue 20: lower trust instead of routing on load alone) ----------
+
+
+def test_truth_trust_falls_gradually_and_load_only_comes_at_zero() -> None:
+    from tokenspeed_router.gateway.truth import TruthLoop, TruthSample, trust_of
+
+    assert trust_of(0, 10) == 1.0 and trust_of(5, 10) == 0.5 and trust_of(8, 10) == 0.0
+    trusts: list[float] = []
+    flags: list[bool] = []
+    loop = TruthLoop(8, lambda w, m: flags.append(m), on_trust=lambda w, t: trusts.append(t))
+    good, bad = TruthSample(640, 640, 64), TruthSample(640, 0, 64)
+    for _ in range(8):
+        loop.observe("w0", good)
+    assert trusts == [] and flags == []
+    for _ in range(3):  # 3 of 8 disagree: trust 0.75, still routed by prefix
+        loop.observe("w0", bad)
+    assert trusts[-1] == trust_of(3, 8) and flags == []
+    for _ in range(5):  # all 8 disagree: trust 0, now routed on load only
+        loop.observe("w0", bad)
+    assert trusts[-1] == 0.0 and flags == [True] and loop.status("w0")["trust"] == 0.0
+    assert loop.status("w0")["misaligned"]
+    for _ in range(8):
+        loop.observe("w0", good)
+    assert trusts[-1] == 1.0 and flags == [True, False]
+
+
+def test_router_trust_scales_the_credit() -> None:
+    from support.router import StubIndex, make_router
+
+    index = StubIndex()
+    index.hold("w0", 10)
+    router = make_router(index, workers=("w0", "w1"))
+    full = router.route(list(range(640)))
+    router.release(full.request_id)
+    router.set_trust("w0", 0.5)
+    half = router.route(list(range(640)))
+    assert half.credited_tokens("w0") == full.credited_tokens("w0") / 2
+    router.release(half.request_id)
+    router.set_trust("w0", 0.0)
+    assert router.route(list(range(640))).credits.get("w0") is None
+    router.set_trust("w0", 1.0)
+    assert router.route(list(range(640))).credited_tokens("w0") == full.credited_tokens("w0")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from support.router import FakeClock, StubIndex
 
 from tokenspeed_router.hashing import block_hashes
+from tokenspeed_router.router.decision import CreditSource
+from tokenspeed_router.router.index import ApplyStats
 from tokenspeed_router.router.router import Router, RouterConfig
 from tokenspeed_router.router.scoring import ApproxPrefixStore
 
@@ -91,8 +93,10 @@ def test_kv_aware_uses_memory_for_workers_without_events() -> None:
 
 
 def test_predict_on_route_colocates_siblings_before_events_arrive() -> None:
+    # Cost model v1: the memory outlives the request (a TTL); v2 bridges only the
+    # wait for the engine's BlockStored (test_v2_predictions_bridge_only_until_the_store).
     index = StubIndex()  # the engine has not published anything yet
-    options = {"request_id_prefix": "t", "predict_on_route_ttl_s": 2.0}
+    options = {"request_id_prefix": "t", "predict_on_route_ttl_s": 2.0, "cost_model": "v1"}
     clock = FakeClock()
     router = Router(index, RouterConfig(**options), clock=clock)  # type: ignore[arg-type]
     for w in ("w0", "w1", "w2", "w3"):
@@ -105,3 +109,34 @@ def test_predict_on_route_colocates_siblings_before_events_arrive() -> None:
     router.release(sibling.request_id)
     clock.now += 3.0  # the guess expired; with no event it is gone
     assert router.route([*shared, 3]).matched_tokens == 0
+
+
+def test_v2_predictions_bridge_only_until_the_store() -> None:
+    index = StubIndex()  # the engine has not published anything yet
+    clock = FakeClock()
+    router = Router(index, RouterConfig(request_id_prefix="t", prediction_grace_s=0.5), clock=clock)
+    for w in ("w0", "w1", "w2", "w3"):
+        router.add_worker(w)
+    shared = list(range(8000))
+    first = router.route([*shared, 1])
+    sibling = router.route([*shared, 2])  # first is still prefilling: credited its prompt
+    assert sibling.worker == first.worker and sibling.matched_tokens == 8000
+    assert sibling.credits[first.worker].source is CreditSource.PREDICTED
+    router.release(sibling.request_id)
+    router.mark_prefill_done(first.request_id)  # its BlockStored is due within the grace
+    during = router.route([*shared, 3])
+    assert during.matched_tokens == 8000
+    router.release(during.request_id)
+    clock.now += 0.6  # no BlockStored arrived in time: the engine does not hold it
+    late = router.route([*shared, 4])
+    assert late.matched_tokens == 0
+    router.release(late.request_id)
+    # A BlockStored batch after the first token ends the prediction at once ...
+    again = router.route([*shared, 5])
+    router.mark_prefill_done(again.request_id)
+    router.on_index_applied(again.worker, ApplyStats(1, 10, 0, 0, 0, 0))
+    assert router.route([*shared, 6]).matched_tokens == 0
+    # ... and a restart (the ingestor's clear) ends every prediction of the engine.
+    third = router.route([*shared, 7])
+    router.on_index_cleared(third.worker)
+    assert router.route([*shared, 8]).credits.get(third.worker) is None

@@ -13,6 +13,7 @@ import random
 from collections.abc import Mapping
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.router import FakeClock
@@ -27,7 +28,14 @@ from tokenspeed_router.router import (
     Router,
     RouterConfig,
 )
-from tokenspeed_router.router.scoring import WorkerLoad, credited_tokens, worker_cost
+from tokenspeed_router.router.router import EngineEstimate
+from tokenspeed_router.router.scoring import (
+    CostWeights,
+    WorkerLoad,
+    credited_tokens,
+    ttft_cost,
+    worker_cost,
+)
 
 BS = 16
 WORKERS = tuple(f"w{i}" for i in range(8))
@@ -141,11 +149,13 @@ def _loaded(router: Router, rng: random.Random, n: int) -> None:
             router.mark_prefill_done(d.request_id)
 
 
-def test_explanation_costs_are_worker_cost_and_the_choice_is_their_argmin() -> None:
+@pytest.mark.parametrize("cost_model", ["v1", "v2"])
+def test_explanation_costs_are_worker_cost_and_the_choice_is_their_argmin(cost_model: str) -> None:
     index = tiered_index()
-    router = router_over(index, request_weight=3.0)  # every term of the cost counts
+    router = router_over(index, request_weight=3.0, cost_model=cost_model)  # every term of the cost counts
     _loaded(router, random.Random(1), 12)
     load = router.load()
+    engines = router.engine_estimates()
     weights = router.config.weights()
     d = router.route(PROMPT, explain=True)
     ex = d.explanation
@@ -159,7 +169,8 @@ def test_explanation_costs_are_worker_cost_and_the_choice_is_their_argmin() -> N
         assert c.credited_tokens == d.credited_tokens(c.worker)
         assert c.matched_tokens == d.predicted_tokens(c.worker) and c.matched_blocks == d.scores[c.worker]
         assert c.uncached_tokens == max(len(PROMPT) - c.credited_tokens, 0)
-        assert c.cost == worker_cost(len(PROMPT), c.credited_tokens, own, weights)
+        assert c.cost == _reference_cost(cost_model, len(PROMPT), c.credited_tokens, own, engines.get(c.worker),
+                                         router.config, weights)
         assert sum(c.matched_tokens_by_tier.values()) == c.matched_tokens
     chosen = [c for c in ex.candidates if c.chosen]
     assert [c.worker for c in chosen] == [d.worker]
@@ -173,17 +184,29 @@ def test_explanation_costs_are_worker_cost_and_the_choice_is_their_argmin() -> N
     assert w1.credit_source is CreditSource.INDEX and ex.candidate("w5").credit_source is None
 
 
+def _reference_cost(cost_model: str, n: int, credit: float, load: WorkerLoad, eng: EngineEstimate | None,
+                    config: RouterConfig, weights: CostWeights) -> float:
+    """The cost the explanation must show: scoring.worker_cost (v1) or scoring.ttft_cost (v2)."""
+    if cost_model == "v1":
+        return worker_cost(n, credit, load, weights)
+    if eng is None:  # never routed to: an idle engine at the priors
+        return ttft_cost(n, credit, 0.0, load, config.prefill_tokens_per_s, config.prefill_overhead_s, weights)
+    return ttft_cost(n, credit, eng.queue_s, load, eng.prefill_tokens_per_s, eng.prefill_overhead_s, weights)
+
+
 def test_ties_and_cold_workers_are_explained() -> None:
     index = tiered_index()
     router = router_over(index, predict_on_route_ttl_s=0.0)
     router.set_cold("w3", True)
-    ex = router.route([], explain=True).explanation  # an empty prompt costs nothing anywhere: all tie
+    first = router.route([], explain=True)  # an empty prompt costs nothing anywhere: all tie
+    ex = first.explanation
     assert ex is not None
     winner = next(c for c in ex.candidates if c.chosen)
     assert winner.worker == "w0" and winner.reason == "lowest cost, won the tie-break"
     assert all(c.reason.startswith("tied on cost") for c in ex.candidates if not c.chosen)
     assert "cold" in ex.candidate("w3").reason and ex.candidate("w3").cold
     router.set_cold("w1", True)  # the deepest holder (60 CPU blocks): credited nothing now
+    router.release(first.request_id)  # (v2 charges a queued prefill's overhead even for no tokens)
     ex = router.route(PROMPT, explain=True).explanation
     assert ex is not None and ex.worker == "w0"
     cold = ex.candidate("w1")
@@ -200,16 +223,23 @@ def test_other_replicas_load_is_part_of_the_explained_terms() -> None:
         def changed(self) -> None:
             pass
 
-    router = Router(None, RouterConfig(request_id_prefix="t"), peer_load=Peers())
-    router.add_worker("w0")
-    router.add_worker("w1")
-    weights = router.config.weights()
-    ex = router.route(list(range(100)), explain=True).explanation
-    assert ex is not None
-    c = ex.candidate("w0")
-    assert (c.active_requests, c.queue_tokens, c.active_tokens) == (2, 700, 900)
-    assert c.cost == worker_cost(100, 0.0, WorkerLoad(2, 700, 900), weights)
-    assert ex.worker == "w1"
+    for cost_model in ("v1", "v2"):
+        router = Router(None, RouterConfig(request_id_prefix="t", cost_model=cost_model), peer_load=Peers())
+        router.add_worker("w0")
+        router.add_worker("w1")
+        weights = router.config.weights()
+        ex = router.route(list(range(100)), explain=True).explanation
+        assert ex is not None
+        c = ex.candidate("w0")
+        assert (c.active_requests, c.queue_tokens, c.active_tokens) == (2, 700, 900)
+        if cost_model == "v1":
+            assert c.cost == worker_cost(100, 0.0, WorkerLoad(2, 700, 900), weights)
+        else:  # the other replica's queued prefill at the (prior) rate, on an idle local clock
+            rate = router.config.prefill_tokens_per_s
+            expected = ttft_cost(100, 0.0, 700 / rate, WorkerLoad(2, 0, 900), rate,
+                                 router.config.prefill_overhead_s, weights)
+            assert c.cost == pytest.approx(expected, rel=1e-12)
+        assert ex.worker == "w1"
 
 
 def test_prefill_decode_pools_are_explained_separately() -> None:
@@ -299,12 +329,12 @@ def test_explain_changes_no_decision() -> None:
 def test_decisions_agree_with_the_index_and_the_cost_model(
     depths: list[tuple[int, str | None]], in_flight: list[int], cold: set[str], length: int
 ) -> None:
-    """Reference model: match_detail + credited_tokens + worker_cost, minimised."""
+    """Reference model: match_detail + credited_tokens + worker_cost (v1), minimised."""
     index = KvIndex()
     for w, (blocks, medium) in zip(WORKERS, depths, strict=True):
         if blocks:
             store(index, w, PROMPT[: blocks * BS], medium)
-    router = router_over(index, predict_on_route_ttl_s=0.0, request_weight=1.0)
+    router = router_over(index, predict_on_route_ttl_s=0.0, request_weight=1.0, cost_model="v1")
     for i, n in enumerate(in_flight):
         router.route([70_000 + i] * n)
     for w in cold:
@@ -323,3 +353,44 @@ def test_decisions_agree_with_the_index_and_the_cost_model(
         expected[w] = worker_cost(length, credit, load[w], weights)
     assert {c.worker: c.cost for c in d.explanation.candidates} == expected
     assert expected[d.worker] == min(expected.values())
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    depths=st.lists(st.tuples(st.integers(0, 64), st.sampled_from([None, "cpu", "storage"])),
+                    min_size=8, max_size=8),
+    in_flight=st.lists(st.integers(1, 1024), max_size=10),
+    done=st.sets(st.integers(0, 9), max_size=5),
+    advance_s=st.floats(0.0, 0.5),
+    length=st.integers(0, 1024),
+)
+def test_v2_decisions_agree_with_the_index_and_the_ttft_cost(
+    depths: list[tuple[int, str | None]], in_flight: list[int], done: set[int], advance_s: float, length: int
+) -> None:
+    """Reference model for cost model v2: index credit + the engines' queue clocks + ttft_cost, minimised."""
+    index = KvIndex()
+    for w, (blocks, medium) in zip(WORKERS, depths, strict=True):
+        if blocks:
+            store(index, w, PROMPT[: blocks * BS], medium)
+    clock = FakeClock()
+    router = router_over(index, predict_on_route_ttl_s=0.0, request_weight=1.0, clock=clock)
+    for i, n in enumerate(in_flight):
+        d = router.route([70_000 + i] * n)
+        if i in done:
+            router.mark_prefill_done(d.request_id)
+    clock.now += advance_s  # queues decay with time
+    prompt = PROMPT[:length]
+    load, weights, config = router.load(), router.config.weights(), router.config
+    engines = router.engine_estimates()
+    detail = index.match_detail(prompt)
+    d = router.route(prompt, explain=True)
+    assert d.explanation is not None
+    expected: dict[str, float] = {}
+    for w in WORKERS:
+        blocks = detail.scores.get(w, 0)
+        credit = credited_tokens(blocks, BS, detail.tiers.get(w), weights)
+        assert d.scores[w] == blocks and d.credited_tokens(w) == credit
+        expected[w] = _reference_cost("v2", length, credit, load[w], engines.get(w), config, weights)
+    got = {c.worker: c.cost for c in d.explanation.candidates}
+    assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert expected[d.worker] == pytest.approx(min(expected.values()), rel=1e-9, abs=1e-12)

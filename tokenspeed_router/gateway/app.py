@@ -53,7 +53,8 @@ class Gateway:
         self._service = service
         self.config = config
         self.upstreams = Upstreams(service, config)
-        self.truth = TruthLoop(config.truth_window, service.set_distrusted)
+        self.truth = TruthLoop(config.truth_window, service.set_distrusted,
+                               on_trust=getattr(service, "set_trust", None))
         #: the ``--tokenizer`` choice; ``POST /doctor/expect`` answers with it too
         self.tokenizer = load_tokenizer(config.tokenizer, self.upstreams.client)
         self.proxy = Proxy(service, config, self.upstreams, self.tokenizer, self.truth)

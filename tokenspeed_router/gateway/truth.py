@@ -23,6 +23,16 @@ cleared when at most a quarter disagrees again (hysteresis, so it does not
 flap). Predictions are capped at ``(prompt_tokens - 1) // bs * bs``: engines
 always recompute the last prompt token, so a fully cached prompt reports one
 block less. Each worker's state is owned by the event loop (no lock).
+
+Trust is gradual (``on_trust``): the router's credit for a worker's prefix is
+scaled by ``trust = 1 - (f - 0.25) / (0.75 - 0.25)`` clamped to [0, 1], with
+``f`` the disagreeing fraction of the window (1 up to a quarter disagreeing,
+0 from three quarters, 0 too for block-size evidence). Only at 0 is the worker
+routed on load alone (``on_change(worker, True)``). The ``misaligned`` flag,
+its log line and metrics keep their own hysteresis: they tell the operator,
+trust tells the router. A healthy engine under memory pressure reuses a
+little less than the index said (blocks evicted while the request queued):
+that lowers its trust a little instead of cutting it off.
 """
 
 from __future__ import annotations
@@ -37,12 +47,22 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["TruthCollector", "TruthLoop", "TruthSample", "WorkerTruth", "cap_prediction"]
+__all__ = ["TruthCollector", "TruthLoop", "TruthSample", "WorkerTruth", "cap_prediction", "trust_of"]
 
 logger = logging.getLogger(__name__)
 
 FLAG_FRACTION = 0.5
 CLEAR_FRACTION = 0.25
+#: disagreeing fraction at which trust reaches 0 (routed on load only)
+TRUST_ZERO_FRACTION = 0.75
+
+
+def trust_of(disagreeing: int, window: int) -> float:
+    """Trust in a worker's prefix for ``disagreeing`` of ``window`` recent requests (see the module doc)."""
+    if window <= 0:
+        return 1.0
+    f = disagreeing / window
+    return min(max(1.0 - (f - CLEAR_FRACTION) / (TRUST_ZERO_FRACTION - CLEAR_FRACTION), 0.0), 1.0)
 #: reported values needed before their common divisor counts as block-size evidence
 _MIN_BLOCK_EVIDENCE = 4
 
@@ -83,6 +103,7 @@ class WorkerTruth:
     misaligned: bool = False
     cause: str | None = None
     flips: int = 0
+    trust: float = 1.0
 
     def disagreeing(self) -> tuple[int, int]:
         return sum(1 for s in self.window if s.too_low() or s.too_high()), len(self.window)
@@ -145,14 +166,19 @@ class WorkerTruth:
 class TruthLoop:
     """Per-worker predicted vs reported cached tokens; flags misaligned workers.
 
-    ``on_change(worker, misaligned)`` is called when a flag flips (the gateway
-    then routes the worker on load only, or trusts it again).
+    Without ``on_trust``, ``on_change(worker, misaligned)`` is called when the
+    flag flips (the gateway then routes the worker on load only, or trusts it
+    again). With ``on_trust(worker, trust)``, trust is gradual (module doc):
+    ``on_trust`` gets each change of at least 0.05 (and every reach of 0 or 1),
+    and ``on_change`` is called only when trust reaches 0 or leaves it.
     """
 
-    def __init__(self, window: int, on_change: Callable[[str, bool], None]) -> None:
+    def __init__(self, window: int, on_change: Callable[[str, bool], None],
+                 *, on_trust: Callable[[str, float], None] | None = None) -> None:
         self._size = window
         self._min = max(window // 2, 2)
         self._on_change = on_change
+        self._on_trust = on_trust
         self._workers: dict[str, WorkerTruth] = {}
 
     def _get(self, worker: str) -> WorkerTruth:
@@ -178,8 +204,11 @@ class TruthLoop:
         bad, n = wt.disagreeing()
         if n < self._min:
             return
+        evidence = wt.block_size_evidence()
+        if self._on_trust is not None:
+            self._update_trust(worker, wt, 0.0 if evidence is not None else trust_of(bad, n))
         if not wt.misaligned:
-            if bad >= FLAG_FRACTION * n or wt.block_size_evidence() is not None:
+            if bad >= FLAG_FRACTION * n or evidence is not None:
                 wt.misaligned = True
                 wt.cause = wt.diagnose()
                 wt.flips += 1
@@ -189,14 +218,26 @@ class TruthLoop:
                     worker, sum(s.reported for s in wt.window), sum(s.predicted for s in wt.window),
                     n, bad, wt.cause,
                 )
-                self._on_change(worker, True)
-        elif bad <= CLEAR_FRACTION * n and wt.block_size_evidence() is None:
+                if self._on_trust is None:
+                    self._on_change(worker, True)
+        elif bad <= CLEAR_FRACTION * n and evidence is None:
             wt.misaligned = False
             wt.flips += 1
             logger.warning("worker %s aligned again (%d of %d recent requests disagree): trusting its prefix",
                            worker, bad, n)
             wt.cause = None
-            self._on_change(worker, False)
+            if self._on_trust is None:
+                self._on_change(worker, False)
+
+    def _update_trust(self, worker: str, wt: WorkerTruth, trust: float) -> None:
+        old = wt.trust
+        if trust == old or (abs(trust - old) < 0.05 and trust not in (0.0, 1.0)):
+            return
+        wt.trust = trust
+        assert self._on_trust is not None
+        self._on_trust(worker, trust)
+        if (trust == 0.0) != (old == 0.0):
+            self._on_change(worker, trust == 0.0)
 
     def forget(self, worker: str) -> None:
         self._workers.pop(worker, None)
@@ -211,6 +252,7 @@ class TruthLoop:
         return {
             "misaligned": wt.misaligned,
             "cause": wt.cause,
+            "trust": wt.trust,
             "requests": wt.requests,
             "window": n,
             "window_disagreeing": bad,

@@ -195,7 +195,12 @@ class IndexIngestor:
     server wires it to ``Router.set_cold(worker, state != "live")``.
     ``clock`` only timestamps state changes. ``raw=False`` never offers
     payloads to the index's ``apply_raw`` (the typed path only: the reference
-    the raw path is tested against).
+    the raw path is tested against). ``on_applied(worker, stats)`` is called
+    after each batch the index applied whole (``stats``: the ``ApplyStats`` of
+    ``apply`` or ``apply_raw``) and ``on_cleared(worker)`` after a restart or
+    resync dropped the worker's entries; the router's cost model v2 reads
+    stores, removals and clears from them (``Router.on_index_applied`` /
+    ``on_index_cleared``).
     """
 
     def __init__(
@@ -206,6 +211,8 @@ class IndexIngestor:
         clock: Callable[[], float] = time.monotonic,
         on_state_change: Callable[[str, WorkerState], None] | None = None,
         raw: bool = True,
+        on_applied: Callable[[str, object], None] | None = None,
+        on_cleared: Callable[[str], None] | None = None,
     ) -> None:
         if recovery_batches < 1:
             raise ValueError(f"recovery_batches must be >= 1, got {recovery_batches}")
@@ -213,6 +220,8 @@ class IndexIngestor:
         self._recovery_batches = recovery_batches
         self._clock = clock
         self._on_state_change = on_state_change
+        self._on_applied = on_applied
+        self._on_cleared = on_cleared
         self._tracks: dict[str, _Track] = {}
         self._raw: Callable[..., RawApplied | None] | None = getattr(index, "apply_raw", None) if raw else None
         #: live batches applied through the raw path (the rest were decoded)
@@ -363,12 +372,16 @@ class IndexIngestor:
 
     def _restart(self, worker: str, t: _Track) -> None:
         self._index.clear_worker(worker)
+        if self._on_cleared is not None:
+            self._on_cleared(worker)
         t.restarts += 1
         t.clean_batches = 0
         self._set_state(worker, t, WorkerState.LIVE)
 
     def _resync(self, worker: str, t: _Track, why: str) -> None:
         self._index.clear_worker(worker)
+        if self._on_cleared is not None:
+            self._on_cleared(worker)
         t.resyncs += 1
         t.clean_batches = 0
         logger.warning("worker=%s resync: %s; its entries were dropped", worker, why)
@@ -378,7 +391,7 @@ class IndexIngestor:
         t.last_batch_ts = batch.ts
         t.last_recv_time_s = recv_time_s
         try:
-            self._index.apply(worker, batch)
+            stats = self._index.apply(worker, batch)
         except IndexConsistencyError as err:
             t.batches_rejected += 1
             if t.state is not WorkerState.RESYNCING:
@@ -393,7 +406,7 @@ class IndexIngestor:
             return
         events = batch.events
         self._applied(
-            worker, t, len(events),
+            worker, t, len(events), stats,
             clears=t.state is not WorkerState.LIVE and any(_clears_everything(e) for e in events),
             stores=t.state is not WorkerState.LIVE and any(isinstance(e, BlockStored) for e in events),
         )
@@ -408,7 +421,7 @@ class IndexIngestor:
         t.last_batch_ts = got.ts
         t.last_recv_time_s = item.recv_time_s
         if not got.unknown_parent:
-            self._applied(worker, t, got.stats.events, clears=got.clears_everything, stores=got.stores)
+            self._applied(worker, t, got.stats.events, got.stats, clears=got.clears_everything, stores=got.stores)
             return True
         t.batches_rejected += 1
         if t.state is not WorkerState.RESYNCING:
@@ -424,11 +437,13 @@ class IndexIngestor:
             self._set_state(worker, t, WorkerState.LIVE)
         return True
 
-    def _applied(self, worker: str, t: _Track, events: int, *, clears: bool, stores: bool) -> None:
+    def _applied(self, worker: str, t: _Track, events: int, stats: object, *, clears: bool, stores: bool) -> None:
         """A batch applied whole: count it and move the worker's state (``clears``:
         an AllBlocksCleared of every tier; ``stores``: a BlockStored)."""
         t.batches_applied += 1
         t.events_applied += events
+        if self._on_applied is not None:
+            self._on_applied(worker, stats)
         if t.state is WorkerState.LIVE:
             return
         if clears:

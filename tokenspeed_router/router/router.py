@@ -67,6 +67,7 @@ from tokenspeed_router.router.decision import (
     RouteExplanation,
     explain_pool,
 )
+from tokenspeed_router.router.engine_belief import EngineBelief, PrefillFit, rendezvous_pick
 from tokenspeed_router.router.index import lora_key
 from tokenspeed_router.router.peer_work import PeerPredictions
 from tokenspeed_router.router.scoring import (
@@ -85,6 +86,7 @@ from tokenspeed_router.router.scoring import (
 __all__ = [
     "CandidateCost",
     "CreditSource",
+    "EngineEstimate",
     "LoadProvider",
     "PeerLoad",
     "PrefixCredit",
@@ -183,6 +185,26 @@ class RouterConfig:
     predict_on_route_ttl_s: float = 15.0
     #: Prefix of generated request ids; None = a random one per Router.
     request_id_prefix: str | None = None
+    #: ``"v2"``: the cost is an estimated TTFT in seconds (``router/engine_belief.py``,
+    #: docs/routing.md "Cost model v2"): a queue clock with a per-prefill overhead,
+    #: a prefill rate fitted per engine, credit trimmed to the blocks that survive
+    #: until the prefill starts, predictions that bridge only the wait for the
+    #: engine's BlockStored, rendezvous tie-breaks. ``"v1"``: the token-unit cost of
+    #: earlier releases (predictions with a TTL refreshed by every sibling).
+    cost_model: str = "v2"
+    #: v2: prior prefill rate and per-prefill overhead, until fitted from first tokens
+    prefill_tokens_per_s: float = 10_000.0
+    prefill_overhead_s: float = 0.020
+    #: v2: fit rate and overhead per engine from observed prefills (False: keep the priors)
+    fit_prefill: bool = True
+    #: v2: a prediction ends this long after its request's first token at the latest
+    #: (the wait for the engine's BlockStored; the first BlockStored batch ends it sooner)
+    prediction_grace_s: float = 1.0
+    #: v2: an engine's KV capacity in tokens for the survival estimate; 0 = learn it
+    #: from its events (the blocks it held when it first evicted)
+    engine_capacity_tokens: int = 0
+    #: v2: blocks whose age is within this fraction below the horizon count half
+    survival_band: float = 0.2
 
     def __post_init__(self) -> None:
         try:
@@ -202,8 +224,19 @@ class RouterConfig:
         _positive("inflight_timeout_s", self.inflight_timeout_s)
         _positive("approx_ttl_s", self.approx_ttl_s)
         _finite_nonneg("predict_on_route_ttl_s", self.predict_on_route_ttl_s)
+        if self.cost_model not in ("v1", "v2"):
+            raise ConfigError(f"cost_model must be 'v1' or 'v2', got {self.cost_model!r}")
+        _positive("prefill_tokens_per_s", self.prefill_tokens_per_s)
+        _finite_nonneg("prefill_overhead_s", self.prefill_overhead_s)
+        _finite_nonneg("prediction_grace_s", self.prediction_grace_s)
+        _finite_nonneg("survival_band", self.survival_band)
+        if self.survival_band >= 1.0:
+            raise ConfigError(f"survival_band must be in [0, 1), got {self.survival_band!r}")
+        if not isinstance(self.fit_prefill, bool):
+            raise ConfigError(f"fit_prefill must be a bool, got {self.fit_prefill!r}")
         for name in (
             "local_prefill_threshold_tokens",
+            "engine_capacity_tokens",
             "approx_block_size",
             "approx_max_blocks_per_worker",
             "seed",
@@ -211,8 +244,8 @@ class RouterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"{name} must be an int, got {value!r}")
-        if self.local_prefill_threshold_tokens < 0:
-            raise ConfigError("local_prefill_threshold_tokens must be >= 0")
+        if self.local_prefill_threshold_tokens < 0 or self.engine_capacity_tokens < 0:
+            raise ConfigError("local_prefill_threshold_tokens and engine_capacity_tokens must be >= 0")
         if self.approx_block_size <= 0 or self.approx_max_blocks_per_worker <= 0:
             raise ConfigError("approx_block_size and approx_max_blocks_per_worker must be > 0")
 
@@ -257,6 +290,37 @@ class RouterStatistics:
     local_prefills: int
 
 
+@dataclass(frozen=True, slots=True)
+class EngineEstimate:
+    """What cost model v2 believes about one engine (``Router.engine_estimates``).
+
+    ``queue_s``: seconds of prefill queued ahead of a request routed now;
+    ``queued_prefills``: prefills queued or running; the fitted
+    ``prefill_tokens_per_s`` and ``prefill_overhead_s`` (``fit_samples``
+    prefills seen); ``capacity_tokens``: the eviction horizon (None: unknown,
+    no eviction seen yet); ``predictions``: requests whose store is bridged.
+    """
+
+    queue_s: float
+    queued_prefills: int
+    prefill_tokens_per_s: float
+    prefill_overhead_s: float
+    fit_samples: int
+    capacity_tokens: int | None
+    predictions: int
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        return {
+            "queue_s": self.queue_s,
+            "queued_prefills": self.queued_prefills,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "prefill_overhead_s": self.prefill_overhead_s,
+            "fit_samples": self.fit_samples,
+            "capacity_tokens": self.capacity_tokens,
+            "predictions": self.predictions,
+        }
+
+
 @dataclass(slots=True)
 class _Worker:
     name: str
@@ -297,6 +361,8 @@ class _Pools:
 
 
 _INDEX, _PREDICTED, _APPROX = CreditSource.INDEX, CreditSource.PREDICTED, CreditSource.APPROX
+#: policies that compute a cost (and so keep engine models under v2)
+_COST_POLICIES = (Policy.KV_AWARE, Policy.APPROX, Policy.LEAST_LOADED)
 
 #: one pool of an explained decision: cost terms per candidate, choice, tied set, drawn at random
 _PoolTrace = tuple[list[CostTerms], str, frozenset[str], bool]
@@ -354,6 +420,8 @@ class Router:
         self._removed: set[str] = set()
         self._index_version: object = _UNSYNCED
         self._cold: set[str] = set()
+        #: truth-loop trust below 1 per worker (credit scaled by it)
+        self._trust: dict[str, float] = {}
         self._pools: _Pools | None = None  # derived from _workers; None = rebuild
         self._inflight: dict[str, _InFlight] = {}
         self._expiry: deque[_InFlight] = deque()
@@ -362,8 +430,17 @@ class Router:
             ttl_s=config.approx_ttl_s,
             max_blocks=config.approx_max_blocks_per_worker,
         )
+        self._v2 = config.cost_model == "v2"
+        #: v2: per worker, the engine model (queue clock, fit, horizon, bridged predictions)
+        self._engines: dict[str, EngineBelief] = {}
+        #: v2: one fit over every engine's prefills (engines use it until they have their own)
+        self._fleet_fit = PrefillFit(config.prefill_tokens_per_s, config.prefill_overhead_s, forget=0.999)
+        self._name_keys: dict[str, int] = {}
+        self._route_now = 0.0
+        self._route_hashes: list[ContentHash] | None = None
+        self._peer_ids = itertools.count()
         self._predicted: ApproxPrefixStore | None = None
-        if config.predict_on_route_ttl_s > 0:
+        if config.predict_on_route_ttl_s > 0 and not self._v2:
             self._predicted = ApproxPrefixStore(
                 block_size=config.approx_block_size,
                 ttl_s=config.predict_on_route_ttl_s,
@@ -455,6 +532,7 @@ class Router:
         self._approx.clear_worker(name)
         if self._predicted is not None:
             self._predicted.clear_worker(name)
+        self._engines.pop(name, None)
 
     def set_cold(self, name: str, cold: bool) -> None:
         """Cold workers score 0 matched blocks (their index state is not trusted)
@@ -466,6 +544,19 @@ class Router:
             self._cold.add(name)
         else:
             self._cold.discard(name)
+
+    def set_trust(self, name: str, trust: float) -> None:
+        """Scale ``name``'s credited prefix by ``trust`` (1: as known, 0: none, as if cold).
+
+        The gateway's truth loop lowers it gradually while the engine's reported
+        reuse disagrees with the index, instead of routing it on load alone.
+        """
+        if not (isinstance(trust, (int, float)) and 0.0 <= trust <= 1.0):
+            raise ConfigError(f"trust must be in [0, 1], got {trust!r}")
+        if trust >= 1.0:
+            self._trust.pop(name, None)
+        else:
+            self._trust[name] = float(trust)
 
     def workers(self) -> dict[str, WorkerInfo]:
         """Every routable worker with its role, event mode and cold flag.
@@ -523,6 +614,8 @@ class Router:
         if policy in (Policy.KV_AWARE, Policy.APPROX):
             known, hashes, detail = self._knowledge(token_ids, lora_id, salt, now)
 
+        self._route_now = now
+        self._route_hashes = hashes
         trace: list[_PoolTrace] | None = [] if explain else None
         pools = self._membership()
         if self._num_split_roles == 0:
@@ -599,16 +692,29 @@ class Router:
             self._expiry = deque(e for e in self._expiry if live.get(e.request_id) is e)
         return True
 
-    def mark_prefill_done(self, request_id: str) -> bool:
+    def mark_prefill_done(self, request_id: str, *, uncached_tokens: int | None = None) -> bool:
         """The request produced its first token: its prefill is no longer queued.
 
         Drops its pending prefill tokens everywhere and its share on a remote
         prefill worker; the decode worker keeps counting it until
         :meth:`release`. Optional: without it, prefill tokens count until release.
+        Cost model v2 also re-anchors the engine's queue clock here, fits its
+        prefill rate from the service time, and ends the request's prediction
+        at the engine's next BlockStored; ``uncached_tokens`` (prompt tokens
+        the engine reported it did not reuse) makes the fit exact, else the
+        router's own estimate is used.
         """
         entry = self._inflight.get(request_id)
         if entry is None:
             return False
+        if self._engines:
+            now = self._clock()
+            grace = now + self._config.prediction_grace_s
+            for part in entry.parts:
+                eng = self._engines.get(part.worker)
+                if eng is not None and request_id in eng.pending:
+                    eng.done(request_id, now, uncached_tokens, fit=self._config.fit_prefill)
+                    eng.prediction_done(request_id, grace)
         kept: list[_Part] = []
         if self._peer_load is not None:
             self._peer_load.changed()
@@ -636,6 +742,22 @@ class Router:
         return {
             w.name: WorkerLoad(w.active_requests, w.pending_prefill_tokens, w.active_tokens)
             for w in self._workers.values()
+        }
+
+    def engine_estimates(self) -> dict[str, EngineEstimate]:
+        """Cost model v2's view of each engine it has routed to (empty under v1)."""
+        now = self._clock()
+        return {
+            name: EngineEstimate(
+                queue_s=eng.queue_s(now),
+                queued_prefills=len(eng.pending),
+                prefill_tokens_per_s=eng.fit.rate,
+                prefill_overhead_s=eng.fit.overhead,
+                fit_samples=eng.own_fit.samples,
+                capacity_tokens=None if eng.capacity_tokens == math.inf else int(eng.capacity_tokens),
+                predictions=len(eng.predictions),
+            )
+            for name, eng in self._engines.items()
         }
 
     def in_flight(self) -> int:
@@ -732,7 +854,14 @@ class Router:
                 known[name] = PrefixCredit(blocks, bs, credit, _INDEX)
         hashes: list[ContentHash] | None = None
         predicted = self._predicted
-        if approx_names or predicted is not None:
+        if self._v2:
+            hashes = self._approx.hash_prompt(token_ids, lora_key(lora_id), salt)
+            if approx_names:
+                bs = self._approx.block_size
+                for name, blocks in self._approx.match(hashes, approx_names, now).items():
+                    known[name] = PrefixCredit(blocks, bs, float(blocks * bs), _APPROX)
+            self._v2_credit(known, hashes, index_workers, now)
+        elif approx_names or predicted is not None:
             hashes = self._approx.hash_prompt(token_ids, lora_key(lora_id), salt)
             bs = self._approx.block_size
             if approx_names:
@@ -745,7 +874,64 @@ class Router:
                         known[name] = PrefixCredit(blocks, bs, float(blocks * bs), _PREDICTED)
         for name in self._cold:
             known.pop(name, None)
+        for name, trust in self._trust.items():
+            k = known.get(name)
+            if k is not None:
+                if trust <= 0.0:
+                    del known[name]
+                else:
+                    known[name] = PrefixCredit(k.blocks, k.block_size, k.credit_tokens * trust, k.source)
         return known, hashes, detail
+
+    def _engine(self, name: str) -> EngineBelief:
+        eng = self._engines.get(name)
+        if eng is None:
+            c = self._config
+            cap = float(c.engine_capacity_tokens) if c.engine_capacity_tokens > 0 else math.inf
+            eng = self._engines[name] = EngineBelief(
+                PrefillFit(c.prefill_tokens_per_s, c.prefill_overhead_s),
+                shared_fit=self._fleet_fit,
+                capacity_tokens=cap,
+                capacity_fixed=c.engine_capacity_tokens > 0,
+            )
+        return eng
+
+    def _v2_credit(
+        self, known: dict[str, PrefixCredit], hashes: list[ContentHash], index_workers: list[str], now: float
+    ) -> None:
+        """Cost model v2's credit: bridged predictions, then the survival trim.
+
+        A prediction reaching deeper than the index credits the prompt as the
+        request in flight will store it; then every credit is cut to the blocks
+        expected to survive until this request's prefill starts (the engine's
+        eviction horizon against the blocks' ages on its insertion clock).
+        """
+        abs_ = self._approx.block_size
+        predict = self._config.predict_on_route_ttl_s > 0
+        band = self._config.survival_band
+        engines = self._engines
+        if predict:
+            for name in index_workers:
+                eng = engines.get(name)
+                if eng is None or not eng.predictions:
+                    continue
+                eng.expire_predictions(now)
+                blocks = eng.predicted_blocks(hashes)
+                if blocks:
+                    have = known.get(name)
+                    if have is None or have.tokens < blocks * abs_:
+                        known[name] = PrefixCredit(blocks, abs_, float(blocks * abs_), _PREDICTED)
+        for name, k in list(known.items()):
+            eng = engines.get(name)
+            if eng is None:
+                continue
+            alive = eng.surviving_blocks(hashes, band)
+            if alive is None:
+                continue
+            sure, likely = alive
+            limit = (sure + 0.5 * (likely - sure)) * abs_
+            if k.credit_tokens > limit:
+                known[name] = PrefixCredit(k.blocks, k.block_size, float(limit), k.source)
 
     @staticmethod
     def _tokens(known: Mapping[str, PrefixCredit], name: str) -> int:
@@ -778,6 +964,8 @@ class Router:
                 blind = [CostTerms(pool, n, None, float(num_tokens), *self._load_terms(n), None) for n in names]
                 trace.append((blind, choice, frozenset(), policy is Policy.RANDOM))
             return choice
+        if self._v2:
+            return self._choose_v2(pool, candidates, num_tokens, known, trace)
         # scoring.worker_cost, inlined: this loop runs for every worker on every request.
         weights = self._weights
         pw, qw = weights.prefill_weight, weights.queue_weight
@@ -829,6 +1017,88 @@ class Router:
             )
         if trace is not None and terms is not None:  # (both or neither)
             trace.append((terms, choice, frozenset(lowest_tied(costs, best=best)), sampled))
+        return choice
+
+    def _choose_v2(
+        self,
+        pool: str,
+        candidates: list[str],
+        num_tokens: int,
+        known: Mapping[str, PrefixCredit],
+        trace: list[_PoolTrace] | None,
+    ) -> str:
+        """Cost model v2: the estimated TTFT in seconds, ties broken by rendezvous hash.
+
+        cost(w) = queue_weight * queue_s(w) + overhead(w)
+                + (prefill_weight * uncached(w) + decode_weight * active_tokens(w)
+                   + request_weight * active_requests(w)) / rate(w)
+        with ``queue_s`` the engine's queue clock (other replicas' pending
+        prefill added at ``rate``). Ties (within a relative 1e-9, as in v1: idle
+        workers, equal credit) go to the tied worker whose rendezvous weight for
+        the prompt's first uncached block is highest among those with the fewest
+        requests in flight, so replicas and siblings agree.
+        """
+        now = self._route_now
+        weights = self._weights
+        pw, qw = weights.prefill_weight, weights.queue_weight
+        dw, rw = weights.decode_weight, weights.request_weight
+        provider = self._load_provider
+        workers = self._workers
+        get_known = known.get
+        peers = self._peer_load.peers() if self._peer_load is not None else None
+        costs: dict[str, float] = {}
+        terms: list[CostTerms] | None = [] if trace is not None else None
+        best = math.inf
+        for name in candidates:
+            eng = self._engine(name)
+            fit = eng.fit
+            rate = fit.rate
+            load: Any = workers[name]
+            external = provider(name) if provider is not None else None
+            k = get_known(name)
+            uncached = num_tokens - k.credit_tokens if k is not None else num_tokens
+            if uncached < 0:
+                uncached = 0
+            if external is not None:
+                load = external
+                queue_s = external.pending_prefill_tokens / rate
+            else:
+                queue_s = eng.queue_s(now)
+            # scoring.ttft_cost, inlined (this loop runs for every worker on every request)
+            cost = qw * queue_s + fit.overhead + (pw * uncached + dw * load.active_tokens + rw * load.active_requests) / rate
+            peer = peers.get(name) if peers and external is None else None
+            if peer is not None:
+                cost += (qw * peer.pending_prefill_tokens + dw * peer.active_tokens + rw * peer.active_requests) / rate
+            costs[name] = cost
+            if cost < best:
+                best = cost
+            if terms is not None:
+                terms.append(_cost_terms(pool, name, k, uncached, load, peer, cost))
+        sampled = self._config.temperature > 0.0
+        tied = lowest_tied(costs, best=best)
+        if sampled:
+            choice = sample_softmax(costs, self._config.temperature, self._rng)
+        elif len(tied) == 1:
+            choice = tied[0]
+        else:
+            # Fewest in flight first (this router's and the other replicas'), then rendezvous.
+            def in_flight(n: str) -> int:
+                peer = peers.get(n) if peers and provider is None else None
+                return workers[n].active_requests + (peer.active_requests if peer is not None else 0)
+
+            fewest = min(in_flight(n) for n in tied)
+            least = [n for n in tied if in_flight(n) == fewest]
+            hashes = self._route_hashes
+            if len(least) == 1:
+                choice = least[0]
+            elif hashes:
+                abs_ = self._approx.block_size
+                depth = max((known[n].tokens for n in least if n in known), default=0) // abs_
+                choice = rendezvous_pick(int(hashes[min(depth, len(hashes) - 1)]), sorted(least), self._name_keys)
+            else:
+                choice = min(least, key=lambda n: (workers[n].last_pick, n))
+        if trace is not None and terms is not None:
+            trace.append((terms, choice, frozenset(tied), sampled))
         return choice
 
     def _load_terms(self, name: str) -> tuple[int, int, int]:
@@ -900,10 +1170,57 @@ class Router:
             w.pending_prefill_tokens += part.pending_prefill_tokens
             w.active_tokens += part.active_tokens
             w.last_pick = serial
+        if self._v2 and self._policy in _COST_POLICIES:
+            self._admit_v2(request_id, now, uncached, site, decode)
         self._inflight[request_id] = entry
         self._expiry.append(entry)
         if self._peer_load is not None:
             self._peer_load.changed()
+
+    def _admit_v2(self, request_id: str, now: float, uncached: int, site: str, decode: str) -> None:
+        """Queue the prefill on ``site``'s clock, touch its blocks, predict its store."""
+        eng = self._engine(site)
+        eng.admit(request_id, uncached, now)
+        hashes = self._route_hashes
+        if not hashes:
+            return
+        eng.touch(hashes)
+        w = self._workers[site]
+        c = self._config
+        if w.events and self._policy is not Policy.APPROX and c.predict_on_route_ttl_s > 0:
+            # Until its BlockStored can have arrived: at most twice the expected wait plus
+            # the grace, and never beyond the TTL (a request that never reports back).
+            wait = max(eng.free_at - now, 0.0)
+            deadline = now + min(2 * wait + c.prediction_grace_s, c.predict_on_route_ttl_s)
+            eng.predict(request_id, [int(h) for h in hashes], deadline)
+        if decode != site:
+            self._engine(decode).touch(hashes)
+
+    def on_index_applied(self, worker: str, stats: Any) -> None:
+        """An event batch of ``worker`` was applied (``IndexIngestor(on_applied=...)``).
+
+        ``stats`` is ``KvIndex.apply``'s :class:`~tokenspeed_router.router.index.ApplyStats`.
+        A batch that stored blocks ends the predictions whose prefill is over (the
+        index holds them now); one that removed blocks tells the engine's capacity.
+        """
+        eng = self._engines.get(worker)
+        if eng is None:
+            return
+        if getattr(stats, "stored_blocks", 0):
+            eng.stored()
+        removed = getattr(stats, "removed_blocks", 0)
+        if removed and self._index is not None:
+            count = getattr(self._index, "num_blocks", None)
+            bs_of = getattr(self._index, "block_size_of", None)
+            bs = (bs_of(worker) if bs_of is not None else None) or 0
+            if count is not None and bs:
+                eng.saw_removal(int(count(worker)) * bs, removed * bs)
+
+    def on_index_cleared(self, worker: str) -> None:
+        """``worker``'s index entries were dropped (restart, resync): its predictions end too."""
+        eng = self._engines.get(worker)
+        if eng is not None:
+            eng.cleared()
 
     def _remember(self, hashes: list[ContentHash], chosen: tuple[str, ...], now: float) -> None:
         """Record the routed prompt for workers whose knowledge comes from memory."""
@@ -920,10 +1237,29 @@ class Router:
         workers = self._workers
         for p in shared.take_predictions():
             known = tuple(w for w in p.workers if w in workers)
-            if known:
+            if not known:
+                continue
+            if not self._v2:
                 self._remember([ContentHash(h) for h in p.hashes], known, now)
+                continue
+            # v2: a bridged prediction of the peer's request, for as long as its prefill
+            # can take on that engine's clock (this router never hears its first token)
+            c = self._config
+            hashes = [int(h) for h in p.hashes]
+            for name in known:
+                eng = self._engine(name)
+                eng.touch(hashes)
+                if workers[name].events and c.predict_on_route_ttl_s > 0:
+                    wait = eng.queue_s(now) + eng.fit.predict(len(hashes) * self._approx.block_size)
+                    deadline = now + min(2 * wait + c.prediction_grace_s, c.predict_on_route_ttl_s)
+                    eng.predict(f"peer-{next(self._peer_ids)}", hashes, deadline)
 
     def _drop(self, entry: _InFlight) -> None:
+        if self._engines:
+            for part in entry.parts:
+                eng = self._engines.get(part.worker)
+                if eng is not None:
+                    eng.release(entry.request_id)
         if self._peer_load is not None and entry.parts:
             self._peer_load.changed()
         for part in entry.parts:

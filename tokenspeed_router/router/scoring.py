@@ -52,6 +52,7 @@ __all__ = [
     "lowest_tied",
     "pick_lowest",
     "sample_softmax",
+    "ttft_cost",
     "worker_cost",
 ]
 
@@ -176,6 +177,35 @@ def worker_cost(
         + weights.queue_weight * load.pending_prefill_tokens
         + weights.decode_weight * load.active_tokens
         + weights.request_weight * load.active_requests
+    )
+
+
+def ttft_cost(
+    num_tokens: int,
+    credit_tokens: float,
+    queue_s: float,
+    load: LoadLike,
+    rate: float,
+    overhead_s: float,
+    weights: CostWeights,
+) -> float:
+    """Cost model v2: estimated TTFT of a request on a worker, in seconds (lower is better).
+
+    ``queue_s``: the worker's prefill queue clock (``EngineBelief.queue_s``: the
+    running prefill's remainder plus the queued ones, each with its overhead);
+    ``rate``/``overhead_s``: the worker's fitted prefill speed. The load's
+    ``pending_prefill_tokens`` are not used: the clock replaces them.
+    """
+    uncached = max(num_tokens - credit_tokens, 0.0)
+    return (
+        weights.queue_weight * queue_s
+        + overhead_s
+        + (
+            weights.prefill_weight * uncached
+            + weights.decode_weight * load.active_tokens
+            + weights.request_weight * load.active_requests
+        )
+        / rate
     )
 
 

@@ -190,7 +190,8 @@ class RouterService:
         self.config = config
         self._index = KvIndex()
         self._router = Router(self._index, config.router)
-        self._ingestor = IndexIngestor(self._index, on_state_change=self._on_state_change)
+        self._ingestor = IndexIngestor(self._index, on_state_change=self._on_state_change,
+                                       on_applied=self._on_applied, on_cleared=self._on_cleared)
         self._ingest_lock = threading.RLock()
         self._lock = threading.RLock()  # re-entered by _on_state_change under the writers below
         self.metrics = ServiceMetrics(self._lock)
@@ -487,6 +488,15 @@ class RouterService:
             if self._workers.routable(worker):
                 self._router.set_cold(worker, self._workers.cold(worker, state is not WorkerState.LIVE))
 
+    def _on_applied(self, worker: str, stats: object) -> None:
+        # called by the ingestor, under the ingest lock: cost model v2 reads stores and removals
+        with self._lock:
+            self._router.on_index_applied(worker, stats)
+
+    def _on_cleared(self, worker: str) -> None:
+        with self._lock:
+            self._router.on_index_cleared(worker)
+
     def set_distrusted(self, name: str, distrusted: bool) -> None:
         """Route ``name`` on load only (its prefix score ignored) while ``distrusted``.
 
@@ -500,6 +510,11 @@ class RouterService:
                 self._workers.distrusted.discard(name)
             if self._workers.routable(name):
                 self._router.set_cold(name, self._workers.cold(name, self._ingestor.is_cold(name)))
+
+    def set_trust(self, name: str, trust: float) -> None:
+        """Scale the credit of ``name``'s prefix by ``trust`` in [0, 1] (the gateway's truth loop)."""
+        with self._lock:
+            self._router.set_trust(name, trust)
 
     def set_reachable(self, name: str, reachable: bool) -> None:
         """Take ``name`` out of routing (its engine refuses connections) or put it back.
@@ -555,7 +570,8 @@ class RouterService:
         worker keeps its role; its ingestion state starts ``live``.
         """
         with self._ingest_lock, self._lock:
-            ingestor = IndexIngestor(index, on_state_change=self._on_state_change)
+            ingestor = IndexIngestor(index, on_state_change=self._on_state_change,
+                                     on_applied=self._on_applied, on_cleared=self._on_cleared)
             router = Router(index, self._router.config, peer_load=self._peer_load)
             for name, role in self._workers.roles.items():
                 if name not in self._workers.unreachable:

@@ -79,6 +79,9 @@ def redecide_config(
         knobs["policy"] = first.policy
     if logged_view:
         knobs["predict_on_route_ttl_s"] = 0.0
+    # The log holds the terms of cost model v1 (credits, weights, loads), not v2's
+    # per-engine queue clocks and fits: re-decide with v1 unless told otherwise.
+    knobs["cost_model"] = "v1"
     knobs.update(options)
     if policy is not None:
         knobs["policy"] = policy

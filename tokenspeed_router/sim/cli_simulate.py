@@ -18,6 +18,7 @@ from typing import Any
 
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.sim.cluster import ClusterConfig, CostModel
+from tokenspeed_router.sim.policies import KNOWN_POLICIES
 from tokenspeed_router.sim.report import (
     POLICY_ORDER,
     check_out_dir,
@@ -51,6 +52,16 @@ def _floats(text: str) -> list[float]:
         return [float(v) for v in text.split(",") if v.strip()]
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
+
+
+def _restart(text: str) -> tuple[float, str]:
+    name, sep, when = text.rpartition("@")
+    try:
+        if not sep or not name:
+            raise ValueError(text)
+        return float(when), name
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected WORKER@SECONDS, got {text!r}") from err
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--event-loss", type=float, default=0.0,
                    help="probability that an event batch is lost (no replay)")
     c.add_argument("--seed", type=int, default=0, help="seed of every RNG in the run")
+    c.add_argument("--restart", type=_restart, action="append", default=[], metavar="WORKER@SECONDS",
+                   help="restart an engine at this simulated time (empty cache, event seq back to 0); "
+                        "repeatable, e.g. --restart w1@600")
     c.add_argument("--replicas", type=int, default=1,
                    help="N router replicas split the requests round-robin (each follows every engine)")
     c.add_argument("--replica-delay-ms", type=float, default=2.0,
@@ -101,7 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="what replicas share: load and route predictions (all), load only, or nothing")
     p = parser.add_argument_group("policies and output")
     p.add_argument("--policies", default=",".join(POLICY_ORDER),
-                   help="comma-separated subset of " + ", ".join(POLICY_ORDER))
+                   help="comma-separated subset of " + ", ".join(KNOWN_POLICIES)
+                        + " (the last four: peer routers emulated from their source, sim/peers)")
     p.add_argument("--router-option", action="append", default=[], metavar="KEY=VALUE",
                    help="override a RouterConfig field (repeatable), e.g. queue_weight=1.5")
     p.add_argument("--no-prefill-signal", action="store_true",
@@ -173,6 +188,7 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterConfig:
         event_delay_s=args.event_delay_ms / 1000.0,
         event_loss_rate=args.event_loss,
         seed=args.seed,
+        restarts=tuple(sorted(getattr(args, "restart", []))),
     )
 
 
@@ -225,9 +241,9 @@ def run(args: argparse.Namespace) -> int:
     if args.trace is None or args.workers is None:
         raise ConfigError("simulate needs --trace FILE and --workers N (or --decisions FILE)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICY_ORDER]
+    unknown = [p for p in policies if p not in KNOWN_POLICIES]
     if unknown or not policies:
-        raise ConfigError(f"unknown policies {unknown}; choose from {', '.join(POLICY_ORDER)}")
+        raise ConfigError(f"unknown policies {unknown}; choose from {', '.join(KNOWN_POLICIES)}")
     if args.out is not None:
         check_out_dir(args.out)
     cluster = cluster_from_args(args)
@@ -295,6 +311,7 @@ def run(args: argparse.Namespace) -> int:
         "event_delay_s": cluster.event_delay_s,
         "event_loss_rate": cluster.event_loss_rate,
         "seed": cluster.seed,
+        "restarts": [[t, w] for t, w in cluster.restarts],
         "rate_scale": args.rate_scale,
         "start_s": args.start_s,
         "duration_s": args.duration_s,

@@ -127,12 +127,18 @@ class ClusterConfig:
     token_key: int = 0
     #: requests running at once per worker (engine-sim's ``--max-num-seqs``)
     max_num_seqs: int = 64
+    #: engine restarts: ``(time_s, worker)`` pairs (virtual seconds since the first arrival)
+    restarts: tuple[tuple[float, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
             raise ConfigError("max_num_seqs must be > 0")
         if self.num_workers <= 0 or self.num_decode_workers < 0:
             raise ConfigError("num_workers must be > 0 and num_decode_workers >= 0")
+        names = {*self.worker_names(), *self.decode_names()}
+        for when, name in self.restarts:
+            if name not in names or not when >= 0:
+                raise ConfigError(f"restart {name}@{when}: unknown worker or negative time")
         if self.page_size <= 0 or self.capacity_tokens < self.page_size:
             raise ConfigError("page_size must be > 0 and capacity_tokens >= page_size")
         if self.event_delay_s < 0 or not 0.0 <= self.event_loss_rate < 1.0:
@@ -167,9 +173,10 @@ def _make_cache(config: ClusterConfig) -> Any:
 class SimWorker:
     """One simulated engine: a real prefix cache and, unless it only decodes, its scheduler."""
 
-    __slots__ = ("cache", "core", "decode_busy_s", "name", "num_requests", "role", "seq")
+    __slots__ = ("cache", "core", "decode_busy_s", "epoch", "name", "num_requests", "role", "seq")
 
     def __init__(self, name: str, role: str, cache: Any, core: EngineCore | None = None) -> None:
+        self.epoch = 0  # bumped by a restart: batches of an older epoch are never delivered
         self.name = name
         self.role = role
         self.cache = cache
@@ -313,7 +320,7 @@ class RunResult:
 # events are delivered, then a request completes, and completions come before
 # the next arrival is routed. A disaggregated decode worker's admission (KV
 # arrival) comes right after the engines' steps.
-_ENGINE, _ADMIT, _DELIVER, _PREFILL_DONE, _FINISH = 0, 1, 2, 3, 4
+_ENGINE, _ADMIT, _DELIVER, _PREFILL_DONE, _FINISH, _RESTART = 0, 1, 2, 3, 4, 5
 
 
 class Simulator:
@@ -337,6 +344,8 @@ class Simulator:
         self._synth = synthesizer or TokenSynthesizer(key=config.token_key)
         role = "prefill" if config.disaggregated else "both"
         timing = config.cost.timing()
+        self._cache_factory = cache_factory
+        self._backend: RoutingBackend | None = None
         self._prefill = []
         for n in config.worker_names():
             worker = SimWorker(n, role, cache_factory(config))
@@ -402,9 +411,11 @@ class Simulator:
                     self._publish(worker, events, when, backend)
                 self._wake(worker)
             elif kind == _DELIVER:
-                name, events, lost = payload
+                name, events, lost, epoch = payload
                 # Numbered when sent, so each worker's stream is in time order.
                 worker = self._by_name[name]
+                if epoch != worker.epoch:
+                    continue  # published by the engine before it restarted: never sent
                 seq = worker.seq
                 worker.seq += 1
                 if not lost:
@@ -415,6 +426,8 @@ class Simulator:
                 self._publish(worker, events, self._now, backend)
             elif kind == _PREFILL_DONE:
                 backend.prefill_done(payload, self._now)
+            elif kind == _RESTART:
+                self._restart(payload)
             else:
                 backend.finished(payload, self._now)
 
@@ -428,7 +441,23 @@ class Simulator:
             return
         lost = bool(self.config.event_loss_rate) and self._rng.random() < self.config.event_loss_rate
         self._lost += lost
-        self._push(visible_at + self.config.event_delay_s, _DELIVER, (worker.name, events, lost))
+        self._push(visible_at + self.config.event_delay_s, _DELIVER, (worker.name, events, lost, worker.epoch))
+
+    def _restart(self, worker: SimWorker) -> None:
+        """The engine restarts: an empty cache, its event seq back to 0.
+
+        Batches it had not sent yet are lost with it (their blocks are gone).
+        The router learns of the restart from the next batch (seq 0), as from
+        a restarted publisher. Requests already running finish against the
+        old cache (a simplification: a real engine would abort them and the
+        client retry).
+        """
+        cache = self._cache_factory(self.config)
+        worker.cache = cache
+        if worker.core is not None:
+            worker.core.cache = cache
+        worker.epoch += 1
+        worker.seq = 0
 
     def _wake(self, worker: SimWorker) -> None:
         """Schedule ``worker``'s scheduler for its next due event (one valid entry per worker)."""
@@ -457,6 +486,9 @@ class Simulator:
             self._push(first_token, _ADMIT, (dec, r.prompt))
             self._push(first_token + self._output[i] * cost.decode_s_per_token, _FINISH, r.request_id)
         self._ttft[i] = first_token - r.arrival_s
+        observed = getattr(self._backend, "observed", None)
+        if observed is not None:  # the engine's usage report, as a streaming gateway reads it
+            observed(r.request_id, len(r.prompt) - r.cached_tokens)
         self._push(t, _PREFILL_DONE, r.request_id)
 
     def _request_done(self, r: ModelRequest, t: float) -> None:
@@ -525,6 +557,9 @@ class Simulator:
         next_sample = 0.0
         self._published = self._lost = 0
         t0 = requests[0].arrival_s if n else 0.0
+        self._backend = backend
+        for when, name in self.config.restarts:
+            self._push(when, _RESTART, self._by_name[name])
         for i, req in enumerate(requests):
             t = req.arrival_s - t0
             self._drain_until(t, backend)

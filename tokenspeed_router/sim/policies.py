@@ -27,9 +27,11 @@ from tokenspeed_router.sim.cluster import (
     SimWorker,
     WorkerView,
 )
+from tokenspeed_router.sim.peers import PEER_POLICIES, PeerBackend, make_peer_backend
 from tokenspeed_router.sim.traces import TraceRequest
 
 __all__ = [
+    "KNOWN_POLICIES",
     "ROUTER_POLICIES",
     "OracleBackend",
     "RouterBackend",
@@ -40,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 #: Policies implemented by the real Router; "oracle" is the simulator's own.
 ROUTER_POLICIES = ("random", "round_robin", "least_loaded", "approx", "kv_aware")
+#: Every name ``make_backend`` accepts: the Router's, the oracle, the peer emulations (``sim/peers``).
+KNOWN_POLICIES = (*ROUTER_POLICIES, "oracle", *PEER_POLICIES)
 
 
 class RouterBackend:
@@ -60,6 +64,7 @@ class RouterBackend:
         self.name = policy
         self.needs_events = policy == "kv_aware"
         self._signal_prefill_done = signal_prefill_done
+        self._uncached: dict[str, int] = {}
         options = dict(router_options or {})
         options.setdefault("seed", cluster.seed)
         config = RouterConfig(policy=policy, **options)
@@ -81,6 +86,8 @@ class RouterBackend:
                 index,
                 clock=view.now,
                 on_state_change=lambda w, state: router.set_cold(w, state is not WorkerState.LIVE),
+                on_applied=router.on_index_applied,
+                on_cleared=router.on_index_cleared,
             )
             for name in (*cluster.worker_names(), *cluster.decode_names()):
                 self._ingestor.add_worker(name)
@@ -104,12 +111,18 @@ class RouterBackend:
         if self._ingestor is not None:
             self._ingestor.on_record(worker, seq, KVEventBatch(ts=now, events=events), now)
 
-    def prefill_done(self, request_id: str, now: float) -> None:
-        # A streaming gateway sees the first token: the prefill is no longer queued.
+    def observed(self, request_id: str, uncached_tokens: int) -> None:
+        """What the engine will report for the request (usage: prompt minus cached tokens)."""
         if self._signal_prefill_done:
-            self._router.mark_prefill_done(request_id)
+            self._uncached[request_id] = uncached_tokens
+
+    def prefill_done(self, request_id: str, now: float) -> None:
+        # A streaming gateway sees the first token (and the usage the engine reports).
+        if self._signal_prefill_done:
+            self._router.mark_prefill_done(request_id, uncached_tokens=self._uncached.pop(request_id, None))
 
     def finished(self, request_id: str, now: float) -> None:
+        self._uncached.pop(request_id, None)
         self._router.release(request_id)
 
 
@@ -178,8 +191,8 @@ def make_backend(
     *,
     router_options: dict[str, Any] | None = None,
     signal_prefill_done: bool = True,
-) -> RouterBackend | OracleBackend:
-    """Build the backend for ``policy`` (a Router policy name or ``oracle``).
+) -> RouterBackend | OracleBackend | PeerBackend:
+    """Build the backend for ``policy`` (a Router policy name, ``oracle`` or a peer emulation).
 
     ``signal_prefill_done`` false models a gateway that only calls
     ``release`` at the end (the HTTP API's behaviour): queued prefill then
@@ -187,5 +200,7 @@ def make_backend(
     """
     if policy == "oracle":
         return OracleBackend(cluster, view, rng=random.Random(cluster.seed))
+    if policy in PEER_POLICIES:
+        return make_peer_backend(policy, cluster, view)
     return RouterBackend(policy, cluster, view, router_options=router_options,
                          signal_prefill_done=signal_prefill_done)

@@ -136,7 +136,7 @@ def _jsonable(value: Any) -> Any:
 
 def format_table(doc: Mapping[str, Any], *, modes: Mapping[str, str] | None = None) -> str:
     """A fixed-width text table of policies vs hit ratio and TTFT."""
-    head = f"{'policy':<13}{'hit':>7}{'vs oracle':>10}{'TTFT p50':>10}{'p90':>9}{'p99':>9}{'mean':>9}{'imbal':>7}"
+    head = f"{'policy':<19}{'hit':>7}{'vs oracle':>10}{'TTFT p50':>10}{'p90':>9}{'p99':>9}{'mean':>9}{'imbal':>7}"
     if modes:
         head += "  mode"
     lines = [head, "-" * len(head)]
@@ -144,7 +144,7 @@ def format_table(doc: Mapping[str, Any], *, modes: Mapping[str, str] | None = No
     for name, m in doc["policies"].items():
         vs = f"{ratio[name]:.0%}" if name in ratio else "-"
         line = (
-            f"{name:<13}{m['hit_ratio']:>7.1%}{vs:>10}{m['ttft_p50_s']:>9.2f}s{m['ttft_p90_s']:>8.2f}s"
+            f"{name:<19}{m['hit_ratio']:>7.1%}{vs:>10}{m['ttft_p50_s']:>9.2f}s{m['ttft_p90_s']:>8.2f}s"
             f"{m['ttft_p99_s']:>8.2f}s{m['ttft_mean_s']:>8.2f}s{m['load_imbalance']:>7.2f}"
         )
         if modes:
