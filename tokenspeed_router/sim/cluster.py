@@ -486,9 +486,6 @@ class Simulator:
             self._push(first_token, _ADMIT, (dec, r.prompt))
             self._push(first_token + self._output[i] * cost.decode_s_per_token, _FINISH, r.request_id)
         self._ttft[i] = first_token - r.arrival_s
-        observed = getattr(self._backend, "observed", None)
-        if observed is not None:  # the engine's usage report, as a streaming gateway reads it
-            observed(r.request_id, len(r.prompt) - r.cached_tokens)
         self._push(t, _PREFILL_DONE, r.request_id)
 
     def _request_done(self, r: ModelRequest, t: float) -> None:

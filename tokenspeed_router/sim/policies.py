@@ -64,7 +64,6 @@ class RouterBackend:
         self.name = policy
         self.needs_events = policy == "kv_aware"
         self._signal_prefill_done = signal_prefill_done
-        self._uncached: dict[str, int] = {}
         options = dict(router_options or {})
         options.setdefault("seed", cluster.seed)
         config = RouterConfig(policy=policy, **options)
@@ -111,18 +110,15 @@ class RouterBackend:
         if self._ingestor is not None:
             self._ingestor.on_record(worker, seq, KVEventBatch(ts=now, events=events), now)
 
-    def observed(self, request_id: str, uncached_tokens: int) -> None:
-        """What the engine will report for the request (usage: prompt minus cached tokens)."""
-        if self._signal_prefill_done:
-            self._uncached[request_id] = uncached_tokens
-
     def prefill_done(self, request_id: str, now: float) -> None:
-        # A streaming gateway sees the first token (and the usage the engine reports).
+        # What a streaming gateway knows at the first token: that the prefill ended, not how
+        # many tokens it computed (engines report usage only when the answer ends). Handing
+        # the router the engine's exact uncached tokens here made simulate fit prefill rates
+        # the live gateway cannot, and the two disagreed (tests/integration/test_sim_live_parity.py).
         if self._signal_prefill_done:
-            self._router.mark_prefill_done(request_id, uncached_tokens=self._uncached.pop(request_id, None))
+            self._router.mark_prefill_done(request_id)
 
     def finished(self, request_id: str, now: float) -> None:
-        self._uncached.pop(request_id, None)
         self._router.release(request_id)
 
 
