@@ -271,36 +271,7 @@ static PyObject *Core_store(Core *c, PyObject *args) {
             if (w->ext.meta[i] & M_UNM) unm = 1;
         }
     }
-    if (!unknown) {
-        /* Hash every block first, prefetching the table slots each will touch,
-         * then insert: the inserts' cache misses overlap instead of queueing. */
-        Worker *w = &c->w[s];
-        /* room for the whole event first (slots stay put while prefetched) */
-        if (tab_reserve(&w->ext, (size_t)n) < 0 || g_reserve(&c->glob, (size_t)n) < 0 ||
-            tab_reserve(&w->aux, (size_t)(unm || tier != GPU ? n : n - nfull)) < 0)
-            err = E_NOMEM;
-        enum { D = 12 };
-        for (Py_ssize_t i = 0; i < n + D && !err; i++) {
-            if (i < n) {
-                if (i < nfull)
-                    h = chain(toks + i * bs, (size_t)bs, h);
-                else
-                    h = chain(toks + nfull * bs, (size_t)(ntok - nfull * bs), h);
-                toks[i] = h; /* block i's tokens are consumed: reuse the buffer for its hash */
-                tab_prefetch(&w->ext, keys[i]);
-                g_prefetch(&c->glob, h);
-            }
-            Py_ssize_t k = i - D;
-            if (k < 0) continue;
-            int r = hold_block(c, s, keys[k], kinds[k], toks[k], unm || k >= nfull, (u8)tier);
-            if (r < 0) {
-                err = r;
-                break;
-            }
-            added += r;
-            dup += 1 - r;
-        }
-    }
+    if (!unknown) err = hold_chain(c, s, keys, kinds, toks, n, ntok, bs, nfull, h, unm, (u8)tier, &added, &dup);
     unlock(c);
     if (ts) PyEval_RestoreThread(ts);
     free(toks);

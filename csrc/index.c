@@ -120,6 +120,35 @@ static int aux_put(Core *c, int s, u64 content, u32 refs, u8 tiers, int unm) {
 }
 
 /* ---- block semantics */
+int hold_chain(Core *c, int s, const u64 *keys, const u8 *kinds, u64 *toks, Py_ssize_t n,
+               Py_ssize_t ntok, long bs, Py_ssize_t nfull, u64 h, int unm, u8 tier,
+               long *added, long *dup) {
+    Worker *w = &c->w[s];
+    /* room for the whole event first (slots stay put while prefetched) */
+    if (tab_reserve(&w->ext, (size_t)n) < 0 || g_reserve(&c->glob, (size_t)n) < 0 ||
+        tab_reserve(&w->aux, (size_t)(unm || tier != GPU ? n : n - nfull)) < 0)
+        return E_NOMEM;
+    enum { D = 12 };
+    for (Py_ssize_t i = 0; i < n + D; i++) {
+        if (i < n) {
+            if (i < nfull)
+                h = chain(toks + i * bs, (size_t)bs, h);
+            else
+                h = chain(toks + nfull * bs, (size_t)(ntok - nfull * bs), h);
+            toks[i] = h; /* block i's tokens are consumed: the buffer holds its hash now */
+            tab_prefetch(&w->ext, keys[i]);
+            g_prefetch(&c->glob, h);
+        }
+        Py_ssize_t k = i - D;
+        if (k < 0) continue;
+        int r = hold_block(c, s, keys[k], kinds[k], toks[k], unm || k >= nfull, tier);
+        if (r < 0) return r;
+        *added += r;
+        *dup += 1 - r;
+    }
+    return 0;
+}
+
 
 int hold_block(Core *c, int s, u64 key, u8 kind, u64 content, int unm, u8 code) {
     Worker *w = &c->w[s];

@@ -97,6 +97,15 @@ static inline void aux_get(const Worker *w, u64 content, int unm, u32 *refs, u8 
 /* Record that slot s holds content as external id (key, kind) on tier `code`:
  * 1 new, 0 duplicate, E_NOMEM. */
 int hold_block(Core *c, int s, u64 key, u8 kind, u64 content, int unm, u8 code);
+/* Store one event's chain of n blocks for slot s: block i's tokens are
+ * toks[i*bs ..] (the last of n may be partial: n - nfull <= 1), chained from h.
+ * Reserves room for the whole event first, then hashes every block while
+ * prefetching the slots each will touch, so the inserts' cache misses overlap.
+ * toks is reused for the hashes. 0, or E_NOMEM (blocks before the failing one
+ * stay held, each whole). One definition for store() and the raw ingest path. */
+int hold_chain(Core *c, int s, const u64 *keys, const u8 *kinds, u64 *toks, Py_ssize_t n,
+               Py_ssize_t ntok, long bs, Py_ssize_t nfull, u64 h, int unm, u8 tier,
+               long *added, long *dup);
 /* Remove tier `code` of external id (key, kind): 1 gone, 0 still held (or a
  * mismatch: *mismatch = 1), -1 unknown, E_NOMEM. */
 int drop_block(Core *c, int s, u64 key, u8 kind, u8 code, int unspecified, int *mismatch);

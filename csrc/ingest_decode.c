@@ -542,7 +542,7 @@ static int plan_read(const u8 *buf, size_t len, Plan *pl) {
 
 /* ------------------------------------------------------------ applying a plan */
 
-/* One BlockStored on the worker's grid (Core_store's loop): 1 unknown parent,
+/* One BlockStored on the worker's grid (hold_chain, as Core_store): 1 unknown parent,
  * E_NOMEM, else 0. Lock held. */
 static int plan_store(Core *c, int s, Plan *pl, const REv *e, u64 root, long *added, long *dup) {
     Worker *w = &c->w[s];
@@ -560,29 +560,7 @@ static int plan_store(Core *c, int s, Plan *pl, const REv *e, u64 root, long *ad
         h = w->ext.vals[i];
         if (w->ext.meta[i] & M_UNM) unm = 1;
     }
-    /* room for the whole event first (slots stay put while prefetched) */
-    if (tab_reserve(&w->ext, (size_t)n) < 0 || g_reserve(&c->glob, (size_t)n) < 0 ||
-        tab_reserve(&w->aux, (size_t)(unm || e->tier != GPU ? n : n - nfull)) < 0)
-        return E_NOMEM;
-    enum { D = 12 };
-    for (Py_ssize_t i = 0; i < n + D; i++) {
-        if (i < n) {
-            if (i < nfull)
-                h = chain(toks + i * bs, (size_t)bs, h);
-            else
-                h = chain(toks + nfull * bs, (size_t)(ntok - nfull * bs), h);
-            toks[i] = h; /* block i's tokens are consumed: the buffer holds its hash now */
-            tab_prefetch(&w->ext, keys[i]);
-            g_prefetch(&c->glob, h);
-        }
-        Py_ssize_t k = i - D;
-        if (k < 0) continue;
-        int r = hold_block(c, s, keys[k], kinds[k], toks[k], unm || k >= nfull, e->tier);
-        if (r < 0) return r;
-        *added += r;
-        *dup += 1 - r;
-    }
-    return 0;
+    return hold_chain(c, s, keys, kinds, toks, n, ntok, bs, nfull, h, unm, e->tier, added, dup);
 }
 
 typedef struct {
