@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import zmq
 from support import captures_dir, traces_dir, wait_until
+from support.zmq_context import end_context
 
 from tokenspeed_router.endpoints import free_tcp_port
 
@@ -102,8 +103,8 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
 def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     """A ZeroMQ context per test, destroyed with linger 0 so no test waits on another's sockets.
 
-    (The Redis state tests override it with one that ``term()``s, to catch leaked sockets.)
+    (The Redis state tests override it with a strict one, to catch leaked sockets.)
     """
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     yield context
-    context.destroy(linger=0)
+    end_context(context, strict=False)

@@ -14,6 +14,7 @@ import pytest
 import zmq
 from support import wait_until
 from support.state_harness import Reference, Replica, Workers, wait_converged, wait_leader
+from support.zmq_context import end_context
 
 pytestmark = pytest.mark.redis
 
@@ -24,7 +25,7 @@ WORKERS = ["w0", "w1"]
 def ctx() -> Iterator[zmq.Context[Any]]:
     context: zmq.Context[Any] = zmq.Context()
     yield context
-    context.term()
+    end_context(context, strict=True)
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from support.state_harness import (
     wait_converged,
     wait_leader,
 )
+from support.zmq_context import end_context
 
 pytestmark = pytest.mark.redis
 
@@ -32,7 +33,7 @@ WORKERS = ["w0", "w1", "w2"]
 def ctx() -> Iterator[zmq.Context[Any]]:
     context: zmq.Context[Any] = zmq.Context()
     yield context
-    context.term()
+    end_context(context, strict=True)
 
 
 @pytest.fixture
