@@ -24,6 +24,8 @@ from support import REPO_ROOT
 from support.engine_sim import EngineSim
 from support.server import ServeProcess
 
+from tokenspeed_router.endpoints import free_tcp_port
+
 #: engine -> its misconfiguration flags. Faults that show in different checks share an
 #: engine, so the fleet starts six processes, not ten (each check is still named alone).
 ENGINES: dict[str, list[str]] = {
@@ -158,3 +160,75 @@ def test_through_a_running_router(fleet: dict[str, EngineSim], tmp_path: Path) -
     assert not checks(engines["bs-chat"])["block_size"]["ok"]
     # the router's own answer: the skewed engine's /tokenize adds a leading token
     assert len(expect["token_ids"]) == 4 and set(expect) == {"token_ids", "scores", "block_size"}
+
+
+# ------------------------------------------------------------------ misconfigured specs
+#
+# Healthy engines, wrong worker specs: the spec names another engine's events, a topic
+# the engine does not use, a replay endpoint where nothing (or another engine) answers,
+# more or fewer DP ranks than the engine has. Workers of one doctor run never share an
+# engine, so no canary is seen by two workers at once.
+
+
+@pytest.fixture(scope="module")
+def dp_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An engine with two DP ranks on fixed consecutive ports (rank r on port + r), as vLLM binds them."""
+    events = free_tcp_port(consecutive=2)
+    replay = free_tcp_port(consecutive=2, avoid=(events,))
+    engine = EngineSim(tmp_path_factory.mktemp("doctor-dp"), [
+        *COMMON, "--dp-ranks", "2", "--events", f"tcp://127.0.0.1:{events}",
+        "--replay", f"tcp://127.0.0.1:{replay}"], replay=False)
+    engine.start(timeout_s=120)
+    yield {"engine": engine, "events": f"tcp://127.0.0.1:{events}", "replay": f"tcp://127.0.0.1:{replay}"}
+    engine.stop()
+
+
+def spec_report(*specs: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """worker -> check name -> check, from one doctor run over ``specs``."""
+    args = [a for s in specs for a in ("--worker", s)]
+    proc = doctor(*args, *DOCTOR_FLAGS, "--json")
+    assert proc.returncode in (0, 1), proc.stderr
+    return {e["worker"]: checks(e) for e in json.loads(proc.stdout)["engines"]}
+
+
+def failing(report: dict[str, dict[str, Any]]) -> set[str]:
+    return {name for name, c in report.items() if not c["ok"]}
+
+
+def test_misconfigured_specs_are_named(fleet: dict[str, EngineSim], dp_engine: dict[str, Any]) -> None:
+    healthy, skewed, bs, seed = fleet["healthy"], fleet["tok-rank"], fleet["bs-chat"], fleet["seed-usage"]
+    dp = dp_engine["engine"]
+    first = spec_report(
+        f"name=crossed-a,url={healthy.url},events={skewed.events},replay={skewed.replay_endpoint}",
+        f"name=crossed-b,url={skewed.url},events={healthy.events},replay={healthy.replay_endpoint}",
+        f"name=dead-replay,url={bs.url},events={bs.events},replay=tcp://127.0.0.1:{free_tcp_port()}",
+        f"name=dp-ok,url={dp.url},events={dp_engine['events']},replay={dp_engine['replay']},dp_ranks=2",
+    )
+    for worker in ("crossed-a", "crossed-b"):
+        events = first[worker]["events"]
+        assert not events["ok"] and "different engines" in events["cause"], events
+        assert "crossed" in events["fix"]
+        # checks that could not run say why: the crossed endpoints, not "no events"
+        assert "different engines" in first[worker]["hashes"]["cause"]
+    dead = first["dead-replay"]["events"]
+    assert not dead["ok"] and "nothing answers on the worker spec's replay endpoint" in dead["cause"], dead
+    assert failing(first["dp-ok"]) == set(), json.dumps(first["dp-ok"], indent=1)
+    assert "replay from seq" in first["dp-ok"]["events"]["detail"]
+
+    second = spec_report(
+        f"name=topic,url={healthy.url},events={healthy.events},topic=not-the-engines",
+        f"name=swapped-replay,url={seed.url},events={seed.events},replay={skewed.replay_endpoint}",
+        f"name=dp-short,url={dp.url},events={dp_engine['events']},replay={dp_engine['replay']}",
+    )
+    topic = second["topic"]["events"]
+    assert not topic["ok"] and "topic" in topic["cause"] and "''" in topic["detail"], topic
+    swapped = second["swapped-replay"]["events"]
+    assert not swapped["ok"] and "another engine" in swapped["cause"], swapped
+    short = second["dp-short"]
+    assert failing(short) == {"spec"} and "more data-parallel ranks" in short["spec"]["detail"], short
+    assert "dp_ranks=" in short["spec"]["cause"]
+
+    extra = spec_report(f"name=dp-extra,url={healthy.url},events={healthy.events},"
+                        f"replay={healthy.replay_endpoint},dp_ranks=2")["dp-extra"]
+    assert failing(extra) == {"spec"}, json.dumps(extra, indent=1)
+    assert "rank 1: nothing publishes" in extra["spec"]["detail"]

@@ -62,13 +62,37 @@ _EVENTS_CONFIG = ("vLLM: --kv-events-config '{\"enable_kv_cache_events\": true, 
 CAUSES: dict[str, Cause] = {
     "no_events": Cause(
         "the engine publishes no KV events for the canary: event publishing is off (no "
-        "--kv-events-config), prefix caching is off, or the worker spec's events endpoint/topic "
-        "is not the one the engine publishes on",
+        "--kv-events-config), prefix caching is off, the worker spec's events endpoint/topic "
+        "is not the one the engine publishes on, or the engine has more DP ranks than the spec's "
+        "dp_ranks= (the canary went to a rank nobody follows: rank r publishes on port + r)",
         _EVENTS_CONFIG),
     "not_connected": Cause(
         "nothing accepts a connection on the worker spec's events endpoint: the engine does not "
         "publish there (no --kv-events-config, another port or host)",
         _EVENTS_CONFIG),
+    "crossed_events": Cause(
+        "the worker spec's url= and events= belong to different engines: the canary sent to this "
+        "worker's url= was published on another worker's events endpoint, so the router credits "
+        "each engine's cache to the wrong worker",
+        "give every --worker the url=, events= and replay= of one and the same engine (swap the "
+        "crossed endpoints back)"),
+    "topic": Cause(
+        "the worker spec's topic= is not the topic the engine publishes under: ZeroMQ drops "
+        "every message whose topic does not start with the subscription, so the router sees "
+        "nothing",
+        "topic= in --worker equal to the engine's topic (vLLM: \"topic\" in --kv-events-config), "
+        "or leave topic= out to accept any"),
+    "no_replay": Cause(
+        "nothing answers on the worker spec's replay endpoint: the router cannot heal a gap in "
+        "the stream and falls back to a full resync of the worker on every lost message",
+        "replay= in --worker equal to the engine's replay_endpoint (vLLM: \"replay_endpoint\" in "
+        "--kv-events-config; rank r on port + r); without one, leave replay= out"),
+    "replay_mismatch": Cause(
+        "the worker spec's replay endpoint answers, but not with this stream's batches: it "
+        "belongs to another engine or DP rank, so a replay would feed the router another "
+        "engine's history",
+        "replay= in --worker must be the replay_endpoint of the engine (and rank) whose events= "
+        "it pairs with"),
     "event_lag": Cause(
         "the engine's BlockStored arrives later than the bound: a backed-up publisher, an "
         "overloaded engine host or network; routing decides on a stale view that long",
@@ -120,6 +144,12 @@ CAUSES: dict[str, Cause] = {
         "the events' data-parallel rank is not the rank the worker spec puts on that endpoint",
         "dp_ranks=N in --worker matching the engine's --data-parallel-size (rank r publishes on "
         "port + r)"),
+    "dp_ranks": Cause(
+        "the worker spec's dp_ranks= is not the engine's data-parallel size: a rank the spec names "
+        "does not publish where the spec looks (port + r), or the engine has ranks the router "
+        "never follows",
+        "dp_ranks=N in --worker equal to the engine's --data-parallel-size, with events= (and "
+        "replay=) the ports of rank 0"),
     "lora": Cause(
         "the canary carried no LoRA, but its blocks are stored under one: the router matches "
         "them only for that LoRA, never for base-model requests",

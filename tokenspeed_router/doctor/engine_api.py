@@ -66,19 +66,22 @@ class EngineApi:
             return model if isinstance(model, str) else None
         return None
 
-    async def complete(self, prompt: str | list[int]) -> Answer:
-        return await self._post("/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    async def complete(self, prompt: str | list[int], *, dp_rank: int | None = None) -> Answer:
+        """``dp_rank``: send it to that data-parallel rank (vLLM's ``X-data-parallel-rank`` header)."""
+        headers = None if dp_rank is None else {"x-data-parallel-rank": str(dp_rank)}
+        return await self._post("/v1/completions", {"prompt": prompt, "max_tokens": 1}, headers)
 
     async def chat(self, messages: list[dict[str, Any]]) -> Answer:
         return await self._post("/v1/chat/completions", {"messages": messages, "max_tokens": 1})
 
-    async def _post(self, path: str, body: dict[str, Any]) -> Answer:
+    async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Answer:
         body = {**body, "stream": False, "temperature": 0}
         if self.model is not None:
             body["model"] = self.model
         sent = time.monotonic()
         try:
-            async with self._session.post(f"{self.url}{path}", json=body, headers=self._headers,
+            async with self._session.post(f"{self.url}{path}", json=body,
+                                          headers={**self._headers, **(headers or {})},
                                           timeout=self._timeout) as resp:
                 raw = await resp.read()
                 status = resp.status

@@ -31,8 +31,9 @@ from typing import Any
 import aiohttp
 
 from tokenspeed_router.doctor.canary import CONTINUATION_TOKENS, PROBE_TOKENS, Canary
-from tokenspeed_router.doctor.checks import CHECK_NAMES, Check
+from tokenspeed_router.doctor.checks import CAUSES, CHECK_NAMES, Cause, Check
 from tokenspeed_router.doctor.engine_api import Answer, EngineApi, EngineApiError
+from tokenspeed_router.doctor.replay_probe import ReplayAnswer, probe_replay
 from tokenspeed_router.doctor.report import EngineReport
 from tokenspeed_router.doctor.views import RouterView, ViewError
 from tokenspeed_router.doctor.watcher import Seen, StreamTarget, Watcher
@@ -115,6 +116,7 @@ class _EngineRun:
                              headers=options.headers)
         self.canary = Canary()
         self.checks: dict[str, Check] = {}
+        self.rank_problems: list[str] = []
 
     # ------------------------------------------------------------------ helpers
 
@@ -156,6 +158,7 @@ class _EngineRun:
         try:
             await self._run_probes(a, ab, joined)
             await self._tokens_check(tokenize_problem)
+            await self._rank_probes()
         except EngineApiError as err:
             if not joined and "events" not in self.checks:
                 where = ", ".join(s.events for s in self.t.streams)
@@ -164,7 +167,18 @@ class _EngineRun:
             for name in CHECK_NAMES:
                 self.checks.setdefault(name, Check.failed(name, f"not run: {err}", "engine_api"))
         self._spec_check()
+        self._blame_events()
         return EngineReport(self.t.worker, [self.checks[n] for n in CHECK_NAMES])
+
+    def _blame_events(self) -> None:
+        """Checks not run for want of events share the events check's cause (crossed, topic, ...)."""
+        events = self.checks.get("events")
+        if events is None or events.ok or events.cause is None or events.fix is None:
+            return
+        cause = Cause(events.cause, events.fix)
+        for name, check in list(self.checks.items()):
+            if name != "events" and not check.ok and check.cause == CAUSES["no_events"].cause:
+                self.checks[name] = Check.failed(name, check.detail, cause)
 
     def _all_failed(self, detail: str) -> EngineReport:
         return EngineReport(self.t.worker, [Check.failed(n, detail, "engine_api") for n in CHECK_NAMES])
@@ -181,7 +195,7 @@ class _EngineRun:
 
         done = await self._wait(arrived)
         self.probe_a = probe
-        self._events_check(first, probe, done, joined)
+        await self._events_check(first, probe, done, joined)
         second = await self.api.complete(a)
         self._usage_check(first, second)
         d = min(probe.sizes) if probe.sizes else None
@@ -207,25 +221,21 @@ class _EngineRun:
 
     # ------------------------------------------------------------------ checks
 
-    def _events_check(self, first: Answer, probe: _Probe, done: bool, joined: bool) -> None:
+    async def _events_check(self, first: Answer, probe: _Probe, done: bool, joined: bool) -> None:
         where = ", ".join(s.events for s in self.t.streams)
         if not probe.events:
-            batches = sum(self.watcher.batches(s) for s in self.streams)
-            if not joined:
-                self.checks["events"] = Check.failed(
-                    "events", f"could not connect to {where} within {self.options.timeout_s:g} s", "not_connected")
-            else:
-                self.checks["events"] = Check.failed(
-                    "events", f"no BlockStored for the canary on {where} within {self.options.timeout_s:g} s "
-                    f"({batches} batch(es) received in all)", "no_events")
+            self.checks["events"] = await self._why_no_events(first, probe, joined, where)
             return
         last = max(s.recv_s for s in probe.events)
         lag = max(0.0, last - first.answered_s)
         since_sent = last - first.sent_s
+        replay_failure, replay_note = await self._replay_check(probe)
         if not done:
             self.checks["events"] = Check.failed(
                 "events", f"only {len(probe.block_ids)} of the canary's blocks arrived within "
                 f"{self.options.timeout_s:g} s", "no_events")
+        elif replay_failure is not None:
+            self.checks["events"] = replay_failure
         elif lag > self.options.max_event_lag_s:
             self.checks["events"] = Check.failed(
                 "events", f"BlockStored arrived {lag * 1000:.0f} ms after the answer (bound "
@@ -233,7 +243,74 @@ class _EngineRun:
         else:
             self.checks["events"] = Check.passed(
                 "events", f"BlockStored for {len(probe.block_ids)} blocks arrived {lag * 1000:.0f} ms after the "
-                f"answer ({since_sent * 1000:.0f} ms after sending)")
+                f"answer ({since_sent * 1000:.0f} ms after sending); {replay_note}")
+
+    async def _why_no_events(self, first: Answer, probe: _Probe, joined: bool, where: str) -> Check:
+        """The events check when none of the canary's blocks came on this worker's streams."""
+        elsewhere = [s for s in self.watcher.all_stored(first.sent_s)
+                     if s.stream not in self.streams and probe.locate(s) is not None]
+        if elsewhere:
+            other = self.watcher.target(elsewhere[0].stream)
+            return Check.failed(
+                "events", f"the canary sent to {self.t.url} came back on {other.events}, the events endpoint "
+                f"of worker {other.worker!r}, not on {where}", "crossed_events")
+        for st in self.t.streams:
+            foreign = {t: n for t, n in self.watcher.topics(st.name).items() if not t.startswith(st.topic)}
+            if st.topic and foreign:
+                seen = ", ".join(f"{t!r} ({n})" for t, n in sorted(foreign.items()))
+                return Check.failed(
+                    "events", f"{st.events} publishes under topic(s) {seen}, the spec subscribes to "
+                    f"{st.topic!r}: nothing matches", "topic")
+        for st in self.t.streams:
+            raw = [s for s in self.watcher.raw_stored(st.name, first.sent_s) if probe.locate(s) is not None]
+            if not raw:
+                continue
+            seq = min(s.seq for s in raw)
+            lost = (f"the engine published the canary on {st.events} (seq {seq}), but the router's subscriber "
+                    "never delivered it")
+            if st.replay is not None:
+                replay = await asyncio.to_thread(probe_replay, st.replay, seq, self.options.timeout_s, st.curve)
+                wanted: set[object] = {b for s in raw for b in s.event.block_hashes}
+                failure = self._replay_failure(replay, st.replay, seq, wanted)
+                if failure is not None:
+                    return Check.failed("events", f"{lost}: {failure[0]}", failure[1])
+            return Check.failed("events", f"{lost} (dropped in sequencing)", "no_events")
+        if not joined:
+            return Check.failed(
+                "events", f"could not connect to {where} within {self.options.timeout_s:g} s", "not_connected")
+        batches = sum(self.watcher.batches(s) for s in self.streams)
+        return Check.failed(
+            "events", f"no BlockStored for the canary on {where} within {self.options.timeout_s:g} s "
+            f"({batches} batch(es) received in all)", "no_events")
+
+    def _replay_failure(self, answer: ReplayAnswer, endpoint: str, seq: int,
+                        wanted: set[object]) -> tuple[str, str] | None:
+        """(detail, cause) when a replay from ``seq`` did not bring back the ``wanted`` blocks."""
+        if answer.error is not None or not (answer.answered or answer.replies):
+            why = answer.error or f"no answer within {self.options.timeout_s:g} s"
+            return f"the replay endpoint {endpoint} did not answer a replay from seq {seq}: {why}", "no_replay"
+        if not wanted & answer.block_ids:
+            return (f"the replay endpoint {endpoint} answered a replay from seq {seq} with {answer.replies} "
+                    "batch(es), none carrying the canary's blocks", "replay_mismatch")
+        return None
+
+    async def _replay_check(self, probe: _Probe) -> tuple[Check | None, str]:
+        """Ask the replay endpoint of the stream that carried the canary for its batch again.
+
+        (A failure, or None) and a note for the passing detail.
+        """
+        seen = min(probe.events, key=lambda s: s.seq)
+        target = self.watcher.target(seen.stream)
+        if target.replay is None:
+            return None, "no replay endpoint in the spec (a gap in the stream forces a full resync)"
+        if seen.seq < 0:
+            return None, "replay not checked"
+        answer = await asyncio.to_thread(probe_replay, target.replay, seen.seq, self.options.timeout_s,
+                                         target.curve)
+        failure = self._replay_failure(answer, target.replay, seen.seq, set(probe.block_ids.values()))
+        if failure is not None:
+            return Check.failed("events", failure[0], failure[1]), ""
+        return None, f"replay from seq {seen.seq} at {target.replay} returns them"
 
     def _usage_check(self, first: Answer, second: Answer) -> None:
         if second.cached_tokens is None:
@@ -343,8 +420,12 @@ class _EngineRun:
             total = sum(len(_full_tokens(s)) for s in got)
             return got if got and total >= expect_tokens else []
 
-        # no event at all for the id probe: nothing will come for this one either (events check)
-        got = await self._wait(gathered) if self.probe_a.events else []
+        # No event at all for the id probe: nothing will come for this one either (events
+        # check), and whatever else the streams carry is not this canary's (another
+        # engine's, when the spec's endpoints are crossed): compare the token counts only.
+        if not self.probe_a.events:
+            return []
+        got = await self._wait(gathered)
         if not got:
             got = [s for s in self.watcher.stored(self.streams, answer.sent_s) if ours.locate(s) is None]
         out: list[int] = []
@@ -382,6 +463,58 @@ class _EngineRun:
                 "tokens", f"text ({len(want_text)} tokens) and chat ({len(want_chat)} tokens) canaries: the "
                 f"engine caches the token ids {self.view.description} gives")
 
+    async def _rank_probes(self) -> None:
+        """Every DP rank the spec names must publish its canaries where the spec looks, and no more ranks.
+
+        The main canaries go wherever the engine's own balancer sends them, so
+        a rank the spec names but the engine lacks (or publishes elsewhere), or
+        a rank the engine has but the spec lacks, would pass unseen. Each rank
+        that has not shown a canary block yet gets a short canary of its own,
+        sent with vLLM's ``X-data-parallel-rank`` header, and so does the first
+        rank past the spec's: the engine must refuse it or store it on a
+        stream the router follows (an engine that ignores the header does).
+        """
+        if not self.probe_a.events:
+            return
+        covered = {s.stream for s in self.watcher.stored(self.streams, 0.0)
+                   if self.probe_a.locate(s) is not None}
+        for st in self.t.streams:
+            if st.name in covered:
+                continue
+            if not self.watcher.joined(st.name):
+                self.rank_problems.append(f"rank {st.dp_rank}: nothing publishes on {st.events} (the spec has "
+                                          f"dp_ranks={len(self.t.streams)}; rank r publishes on port + r)")
+                continue
+            await self._rank_probe(st.dp_rank, st.name)
+        await self._rank_probe(len(self.t.streams), None)
+
+    async def _rank_probe(self, rank: int, stream: str | None) -> None:
+        """One short canary for ``rank``: on ``stream`` it must arrive (None: a rank past the spec's)."""
+        d = min(self.probe_a.sizes)
+        rng = random.Random(f"{self.canary.nonce}-rank-{rank}")
+        ids = [rng.randrange(1000, 30000) for _ in range(4 * d)]
+        try:
+            answer = await self.api.complete(ids, dp_rank=rank)
+        except EngineApiError as err:
+            if stream is not None:
+                self.rank_problems.append(f"rank {rank}: the engine refused a request for it ({err})")
+            return  # past the spec's ranks: refusing is right
+        probe = _Probe(ids)
+        arrived = await self._wait(lambda: self._collect(probe, answer.sent_s, 0, 4))
+        n = len(self.t.streams)
+        if stream is None:
+            if not arrived:
+                self.rank_problems.append(
+                    f"the engine accepted a request for rank {rank} and stored it on no stream the spec "
+                    f"names: it has more data-parallel ranks than dp_ranks={n}")
+            return
+        if not arrived:
+            self.rank_problems.append(f"rank {rank}: its canary's blocks did not arrive on {self.watcher.target(stream).events}")
+            return
+        stray = sorted({s.stream for s in probe.events if s.stream != stream})
+        if stray:
+            self.rank_problems.append(f"rank {rank}: its canary's blocks arrived on {', '.join(stray)}")
+
     def _spec_check(self) -> None:
         problems: list[tuple[str, str]] = []
         events = getattr(self, "probe_a", _Probe([])).events
@@ -401,6 +534,8 @@ class _EngineRun:
         if salts:
             problems.append((f"the canary's blocks are stored under cache salt {sorted(salts)} "
                              "though it carried none", "salt"))
+        for problem in self.rank_problems:
+            problems.append((problem, "dp_ranks"))
         for problem in self.t.router_problems:
             problems.append((problem, "router_state"))
         if problems:
@@ -445,4 +580,4 @@ async def check_engine(target: EngineTarget, view: RouterView, watcher: Watcher,
 def stream_targets(worker: str, specs: Sequence[Any]) -> tuple[StreamTarget, ...]:
     """StreamTargets of a worker's subscriber specs (``server.worker_spec.SubscriberSpec``)."""
     return tuple(StreamTarget(name=s.name, worker=worker, dp_rank=s.dp_rank, events=s.events,
-                              replay=s.replay, topic=s.topic) for s in specs)
+                              replay=s.replay, topic=s.topic, curve=s.curve) for s in specs)

@@ -7,6 +7,14 @@ One thread owns every :class:`~tokenspeed_router.events.EventSubscriber`
 re-implementation. Every ``BlockStored`` is also kept with the time it was
 received (``time.monotonic()``) and the batch's DP rank, for the checks.
 
+Raw view: the watcher also follows every endpoint with a plain unfiltered
+SUB socket, outside the router's sequencing. ZeroMQ filters by topic prefix
+without a word, so a spec whose ``topic=`` is not the engine's sees nothing:
+the raw view counts the topics that do arrive. And a batch the engine
+published but the router's subscriber never delivered (dropped as a
+duplicate after a replay from another engine's ring, say) shows in the raw
+view only: :meth:`Watcher.raw_stored` tells the checks what really went out.
+
 Joining: ZeroMQ drops what a PUB sends before the SUB's connection and
 subscription are up. The watcher reports a stream joined once its socket
 monitor saw the handshake, plus :data:`SUBSCRIBE_GRACE_S` (ZeroMQ gives no
@@ -28,6 +36,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from tokenspeed_router.errors import TokenspeedError
+from tokenspeed_router.events.codec import BatchDecoder
+from tokenspeed_router.events.curve import CurveClientKeys
+from tokenspeed_router.events.frames import SEQ_BYTES, decode_seq, ipv6_endpoint
 from tokenspeed_router.events.schema import BlockStored
 from tokenspeed_router.events.subscriber import (
     BatchReceived,
@@ -42,6 +53,8 @@ __all__ = ["Seen", "StreamTarget", "Watcher"]
 logger = logging.getLogger(__name__)
 
 SUBSCRIBE_GRACE_S = 0.1
+#: BlockStored events the raw view keeps per stream (a doctor run sends a few canaries)
+_RAW_LIMIT = 200_000
 _POLL_MS = 20
 T = TypeVar("T")
 
@@ -56,6 +69,7 @@ class StreamTarget:
     events: str
     replay: str | None = None
     topic: str = ""
+    curve: CurveClientKeys | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +80,9 @@ class Seen:
     recv_s: float
     batch_rank: int | None
     event: BlockStored
+    seq: int = -1
+    """The seq of the batch that carried it."""
+    replayed: bool = False
 
 
 @dataclass(slots=True)
@@ -78,6 +95,10 @@ class _StreamState:
     unknown_parents: list[object] = field(default_factory=list)
     resyncs: int = 0
     restarts: int = 0
+    sniffer: zmq.Socket[bytes] | None = None
+    """An unfiltered SUB on the same endpoint (the raw view)."""
+    topics: dict[bytes, int] = field(default_factory=dict)
+    raw: list[Seen] = field(default_factory=list)
 
 
 class Watcher:
@@ -88,19 +109,33 @@ class Watcher:
         self._lock = threading.Condition()
         self._index = KvIndex()
         self._seen: list[Seen] = []
+        self._raw_decoder = BatchDecoder(validate=False)
         self._streams: dict[str, _StreamState] = {}
         self._stop = False
         try:
             for t in targets:
                 sub = EventSubscriber(t.name, t.events, replay_endpoint=t.replay, topic=t.topic,
-                                      context=self._ctx)
+                                      context=self._ctx, curve=t.curve)
                 monitor = sub.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED)
-                self._streams[t.name] = _StreamState(t, sub, monitor)
+                st = _StreamState(t, sub, monitor)
+                self._streams[t.name] = st
+                st.sniffer = self._sniffer(t)
         except Exception:
             self._close_sockets()
             raise
         self._thread = threading.Thread(target=self._run, name="doctor-watcher", daemon=True)
         self._thread.start()
+
+    def _sniffer(self, t: StreamTarget) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.linger = 0
+        if ipv6_endpoint(t.events):
+            sock.setsockopt(zmq.IPV6, 1)
+        if t.curve is not None:
+            t.curve.apply(sock)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(t.events)
+        return sock
 
     # ------------------------------------------------------------------ queries (any thread)
 
@@ -115,6 +150,9 @@ class Watcher:
                     return value
                 self._lock.wait(min(left, 0.05))
 
+    def target(self, stream: str) -> StreamTarget:
+        return self._streams[stream].target
+
     def joined(self, stream: str) -> bool:
         st = self._streams[stream]
         return st.joined_s is not None and time.monotonic() - st.joined_s >= SUBSCRIBE_GRACE_S
@@ -128,6 +166,24 @@ class Watcher:
     def batches(self, stream: str) -> int:
         with self._lock:
             return self._streams[stream].batches
+
+    def all_stored(self, since_s: float) -> list[Seen]:
+        """BlockStored events of every stream received at or after ``since_s``."""
+        with self._lock:
+            return [s for s in self._seen if s.recv_s >= since_s]
+
+    def raw_stored(self, stream: str, since_s: float) -> list[Seen]:
+        """BlockStored events the raw view saw on ``stream``'s endpoint at or after ``since_s``.
+
+        Under any topic and whether or not the router's subscriber delivered them.
+        """
+        with self._lock:
+            return [s for s in self._streams[stream].raw if s.recv_s >= since_s]
+
+    def topics(self, stream: str) -> dict[str, int]:
+        """Messages per topic on the stream's endpoint, unfiltered (the raw view)."""
+        with self._lock:
+            return {t.decode(errors="replace"): n for t, n in self._streams[stream].topics.items()}
 
     def unknown_parents(self, stream: str) -> list[object]:
         with self._lock:
@@ -147,6 +203,8 @@ class Watcher:
             for st in self._streams.values():
                 sockets.append(st.monitor)
                 sockets.extend(st.subscriber.poll_sockets())
+                if st.sniffer is not None:
+                    sockets.append(st.sniffer)
             key = tuple(id(s) for s in sockets)
             if poller_cache is None or poller_cache[0] != key:
                 poller = zmq.Poller()
@@ -162,6 +220,8 @@ class Watcher:
             for st in self._streams.values():
                 if st.monitor in ready:
                     self._on_monitor(st)
+                if st.sniffer is not None and st.sniffer in ready:
+                    self._on_sniffed(st, st.sniffer)
                 try:
                     items = st.subscriber.process_ready()
                 except zmq.ZMQError:
@@ -179,6 +239,27 @@ class Watcher:
                     st.joined_s = time.monotonic()
                     self._lock.notify_all()
 
+    def _on_sniffed(self, st: _StreamState, sock: zmq.Socket[bytes]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for _ in range(1000):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                topic = bytes(frames[0][:128]) if frames else b""
+                if topic in st.topics or len(st.topics) < 16:
+                    st.topics[topic] = st.topics.get(topic, 0) + 1
+                if len(frames) != 3 or len(frames[1]) != SEQ_BYTES or len(st.raw) >= _RAW_LIMIT:
+                    continue
+                try:
+                    batch = self._raw_decoder.decode(frames[2])
+                except Exception:  # not ours to judge here: the subscriber counts malformed input
+                    continue
+                seq = decode_seq(frames[1])
+                st.raw.extend(Seen(st.target.name, now, batch.data_parallel_rank, ev, seq)
+                              for ev in batch.events if isinstance(ev, BlockStored))
+
     def _on_items(self, st: _StreamState, items: Sequence[object]) -> None:
         now = time.monotonic()
         name = st.target.name
@@ -188,7 +269,8 @@ class Watcher:
                     st.batches += 1
                     for ev in item.batch.events:
                         if isinstance(ev, BlockStored):
-                            self._seen.append(Seen(name, now, item.batch.data_parallel_rank, ev))
+                            self._seen.append(Seen(name, now, item.batch.data_parallel_rank, ev,
+                                                   item.seq, item.replayed))
                     try:
                         self._index.apply(name, item.batch)
                     except TokenspeedError as err:  # an unknown parent: the router would resync here
@@ -215,6 +297,8 @@ class Watcher:
             except zmq.ZMQError:
                 pass
             st.monitor.close(linger=0)
+            if st.sniffer is not None:
+                st.sniffer.close(linger=0)
             st.subscriber.close()
         self._ctx.term()
 

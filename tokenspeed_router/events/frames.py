@@ -21,6 +21,7 @@ __all__ = [
     "encode_seq",
     "ipv6_endpoint",
     "offset_endpoint_port",
+    "split_replay_frames",
 ]
 
 SEQ_BYTES = 8
@@ -35,6 +36,19 @@ encode_seq = _SEQ.pack
 def decode_seq(frame: bytes | bytearray | memoryview) -> int:
     """Read an 8-byte big-endian seq frame (the caller checks the length)."""
     return int(_SEQ.unpack(frame)[0])
+
+
+def split_replay_frames(frames: list[bytes]) -> tuple[bytes | None, bytes, bytes] | None:
+    """One replay reply's ``(topic, seq_frame, payload)``; None if it has neither framing.
+
+    ``topic`` is None for TokenSpeed's topic-less form. The end marker comes
+    back as ``seq_frame == END_SEQ``; the caller checks the seq frame's length.
+    """
+    if len(frames) == 4 and frames[0] == b"":  # vLLM / SGLang / ours
+        return frames[1], frames[2], frames[3]
+    if len(frames) == 3 and frames[0] == b"":  # TokenSpeed: no topic frame
+        return None, frames[1], frames[2]
+    return None
 
 
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:

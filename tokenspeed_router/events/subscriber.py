@@ -92,6 +92,7 @@ from tokenspeed_router.events.frames import (
     decode_seq,
     encode_seq,
     ipv6_endpoint,
+    split_replay_frames,
 )
 from tokenspeed_router.events.replay_merge import (
     RESYNC_NO_REPLAY,
@@ -632,21 +633,18 @@ class EventSubscriber:
 
     def _parse_replay(self, frames: list[bytes]) -> Message | bool:
         """A replayed message, True for the end marker, False for a skipped frame."""
-        if len(frames) == 4 and frames[0] == b"":  # vLLM / SGLang / ours
-            topic, seq_frame, payload = frames[1], frames[2], frames[3]
-            if seq_frame == END_SEQ:
-                return True
-        elif len(frames) == 3 and frames[0] == b"":  # TokenSpeed: no topic frame
-            topic, seq_frame, payload = self._topic, frames[1], frames[2]
-            if seq_frame == END_SEQ:
-                return True
-        else:
+        split = split_replay_frames(frames)
+        if split is None:
             self._malformed_frame(
                 "replay_frame",
                 "expected [b'', topic, seq, payload] or [b'', seq, payload], got %d frames",
                 len(frames),
             )
             return False
+        topic_frame, seq_frame, payload = split
+        if seq_frame == END_SEQ:
+            return True
+        topic = self._topic if topic_frame is None else topic_frame
         message = self._check(topic, seq_frame, payload, time.time(), replayed=True)
         return False if message is None else message
 
