@@ -232,3 +232,30 @@ def test_misconfigured_specs_are_named(fleet: dict[str, EngineSim], dp_engine: d
                         f"replay={healthy.replay_endpoint},dp_ranks=2")["dp-extra"]
     assert failing(extra) == {"spec"}, json.dumps(extra, indent=1)
     assert "rank 1: nothing publishes" in extra["spec"]["detail"]
+
+
+def test_doctor_follows_a_curve_relay(fleet: dict[str, EngineSim], tmp_path: Path) -> None:
+    """With curve_server_key=/curve_key= in the spec, the doctor subscribes (and replays) over CURVE."""
+    keys = {}
+    for name in ("relay", "router"):
+        subprocess.run([sys.executable, "-m", "tokenspeed_router.cli", "relay", "--gen-keys",
+                        str(tmp_path / name), "--key-name", name], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=60, check=True)
+        keys[name] = tmp_path / name / name
+    engine = fleet["healthy"]
+    publish, replay = free_tcp_port(), free_tcp_port()
+    with open(tmp_path / "relay.stderr", "wb") as stderr:
+        relay = subprocess.Popen(
+            [sys.executable, "-m", "tokenspeed_router.cli", "relay", "--engine", engine.events,
+             "--engine-replay", engine.replay_endpoint, "--publish", f"tcp://127.0.0.1:{publish}",
+             "--replay", f"tcp://127.0.0.1:{replay}", "--curve-secret-key", f"{keys['relay']}.key_secret",
+             "--curve-allow", f"{keys['router']}.key"],
+            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            base = f"name=relayed,url={engine.url},events=tcp://127.0.0.1:{publish},replay=tcp://127.0.0.1:{replay}"
+            report = spec_report(f"{base},curve_server_key={keys['relay']}.key,"
+                                 f"curve_key={keys['router']}.key_secret")["relayed"]
+        finally:
+            relay.terminate()
+            relay.wait(30)
+    assert failing(report) == set(), json.dumps(report, indent=1) + (tmp_path / "relay.stderr").read_text()[-2000:]
