@@ -24,6 +24,7 @@ from support import REPO_ROOT
 from support.engine_sim import EngineSim
 from support.server import ServeProcess
 
+from tokenspeed_router.doctor.checks import CAUSES
 from tokenspeed_router.endpoints import free_tcp_port
 
 #: engine -> its misconfiguration flags. Faults that show in different checks share an
@@ -35,6 +36,9 @@ ENGINES: dict[str, list[str]] = {
     "tok-rank": ["--fault-tokenizer-skew", "--fault-dp-rank", "3"],
     "no-events": ["--fault-no-events"],
     "lag-lora": ["--fault-event-delay", "2.5", "--fault-lora-id", "7"],
+    # not misconfigurations, events lost on the way: named so they are not blamed on one
+    "drop": ["--fault-drop-events", "0.5"],
+    "restart": ["--fault-restart-after-requests", "2"],
 }
 #: misconfiguration -> (engine, the check that must fail, words its cause must contain)
 FAULTS: dict[str, tuple[str, str, str]] = {
@@ -56,6 +60,11 @@ FAILING: dict[str, set[str]] = {
     "tok-rank": {"tokens", "spec"},
     "no-events": {"events", "block_size", "hashes", "reuse", "spec"},
     "lag-lora": {"events", "spec", "reuse", "hashes"},
+}
+#: engine -> the cause its failing checks name (which checks fail depends on which batches are lost)
+LOSSES: dict[str, str] = {
+    "drop": "events are lost before they are numbered",
+    "restart": "the engine restarted while the doctor ran",
 }
 COMMON = ["--instant", "--capacity-tokens", "16384"]
 DOCTOR_FLAGS = ["--timeout", "8", "--max-event-lag", "1.0"]
@@ -123,7 +132,17 @@ def test_each_misconfiguration_is_named(direct_report: dict[str, Any], fault: st
     assert words.lower() in got["cause"].lower(), got
 
 
-@pytest.mark.parametrize("name", sorted(ENGINES))
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_lost_events_are_named_not_blamed_on_configuration(direct_report: dict[str, Any], name: str) -> None:
+    """Events lost by the engine (silently, or in a restart) are named as such wherever they show."""
+    failed = [c for c in checks(direct_report["engines"][name]).values() if not c["ok"]]
+    assert failed, json.dumps(direct_report["engines"][name], indent=1)
+    assert any(LOSSES[name] in c["cause"] for c in failed), json.dumps(failed, indent=1)
+    no_events = CAUSES["no_events"].cause
+    assert all(c["cause"] != no_events for c in failed), json.dumps(failed, indent=1)
+
+
+@pytest.mark.parametrize("name", sorted(FAILING))
 def test_checks_unrelated_to_the_faults_pass(direct_report: dict[str, Any], name: str) -> None:
     """A fault does not smear over the report: only the checks it touches fail."""
     failing = {n for n, c in checks(direct_report["engines"][name]).items() if not c["ok"]}
@@ -228,10 +247,17 @@ def test_misconfigured_specs_are_named(fleet: dict[str, EngineSim], dp_engine: d
     assert failing(short) == {"spec"} and "more data-parallel ranks" in short["spec"]["detail"], short
     assert "dp_ranks=" in short["spec"]["cause"]
 
-    extra = spec_report(f"name=dp-extra,url={healthy.url},events={healthy.events},"
-                        f"replay={healthy.replay_endpoint},dp_ranks=2")["dp-extra"]
+    lag = fleet["lag-lora"]
+    third = spec_report(
+        f"name=dp-extra,url={healthy.url},events={healthy.events},replay={healthy.replay_endpoint},dp_ranks=2",
+        # another engine's (idle) stream, which the join replay shows is alive
+        f"name=foreign,url={lag.url},events={bs.events},replay={bs.replay_endpoint}",
+    )
+    extra = third["dp-extra"]
     assert failing(extra) == {"spec"}, json.dumps(extra, indent=1)
     assert "rank 1: nothing publishes" in extra["spec"]["detail"]
+    foreign = third["foreign"]["events"]
+    assert not foreign["ok"] and "another engine's publisher" in foreign["cause"], foreign
 
 
 def test_doctor_follows_a_curve_relay(fleet: dict[str, EngineSim], tmp_path: Path) -> None:

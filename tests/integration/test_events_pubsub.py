@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import zmq
 from support import wait_until
+from zmq.utils.monitor import recv_monitor_message
 
 from tokenspeed_router.errors import PublishError
 from tokenspeed_router.events import (
@@ -562,3 +563,28 @@ def test_resume_without_replay_endpoint(ctx: Ctx, engine: FakeEngine) -> None:
     col.until(lambda: col.batches[-1].epoch == 1)
     assert [(b.seq, b.epoch) for b in col.batches] == [(7, 0), (8, 0), (2, 1)]
     sub.close()
+
+
+def test_monitor_attached_before_connect_sees_every_connection(ctx: Ctx) -> None:
+    """``monitor_events``: the monitor exists before connect(), so a quick EVENT_CONNECTED is never lost."""
+    pub = ctx.socket(zmq.PUB)
+    pub.bind("tcp://127.0.0.1:*")
+    endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+    for _ in range(5):  # the race it prevents is rare: try it a few times
+        sub = EventSubscriber("w0", endpoint, context=ctx, monitor_events=zmq.EVENT_CONNECTED)
+        monitor = sub.monitor
+        assert monitor is not None
+        events: list[int] = []
+
+        def connected(m: zmq.Socket[bytes] = monitor, seen: list[int] = events) -> bool:
+            if m.poll(10):
+                seen.append(recv_monitor_message(m)["event"])
+            return zmq.EVENT_CONNECTED in seen
+
+        wait_until(connected, 10, interval_s=0.0, what="EVENT_CONNECTED on the monitor")
+        sub.close()
+        assert monitor.closed
+    plain = EventSubscriber("w1", endpoint, context=ctx)
+    assert plain.monitor is None
+    plain.close()
+    pub.close(linger=0)

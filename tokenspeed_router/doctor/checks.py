@@ -93,6 +93,23 @@ CAUSES: dict[str, Cause] = {
         "engine's history",
         "replay= in --worker must be the replay_endpoint of the engine (and rank) whose events= "
         "it pairs with"),
+    "lost_events": Cause(
+        "the engine holds blocks whose BlockStored never reached the stream, with no gap in the "
+        "seqs: events are lost before they are numbered (a publisher queue that overflows, or a "
+        "publisher that drops), so the router never learns of part of the cache",
+        "look for dropped-event warnings in the engine's log; vLLM: a larger buffer/queue in "
+        "--kv-events-config (buffer_steps, hwm, max_queue_size); keep the engine host from "
+        "starving its publisher thread"),
+    "foreign_stream": Cause(
+        "the events endpoint carries batches, but none for the canary this engine stored: events= "
+        "names another engine's publisher (or this engine loses every event it publishes)",
+        "events= (and replay=) in --worker must be this engine's own endpoints (vLLM: "
+        "\"endpoint\" in --kv-events-config, rank r on port + r)"),
+    "restarted": Cause(
+        "the engine restarted while the doctor ran (its publisher began again at seq 0, its "
+        "cache empty): what it published around the restart is gone, and the check saw that",
+        "run the doctor again once the engine is stable; if it restarts on its own, its log "
+        "says why (out of memory, a crash loop)"),
     "event_lag": Cause(
         "the engine's BlockStored arrives later than the bound: a backed-up publisher, an "
         "overloaded engine host or network; routing decides on a stale view that long",

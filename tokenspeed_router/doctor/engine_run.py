@@ -168,7 +168,21 @@ class _EngineRun:
                 self.checks.setdefault(name, Check.failed(name, f"not run: {err}", "engine_api"))
         self._spec_check()
         self._blame_events()
+        self._blame_restart()
         return EngineReport(self.t.worker, [self.checks[n] for n in CHECK_NAMES])
+
+    def _blame_restart(self) -> None:
+        """A restart during the run explains the event failures it caused (not a misconfiguration)."""
+        seen = [self.watcher.restarts(s) for s in self.streams]
+        restarts, reconnects = sum(r for r, _ in seen), sum(c for _, c in seen)
+        if not restarts and not reconnects:
+            return
+        what = (f"the publisher restarted {restarts} time(s) meanwhile" if restarts
+                else f"the events connection dropped and came back {reconnects} time(s) meanwhile")
+        for name, check in list(self.checks.items()):
+            if not check.ok and check.cause in (CAUSES["no_events"].cause, CAUSES["lost_events"].cause):
+                self.checks[name] = Check.failed(
+                    name, f"{check.detail} ({what})", "restarted")
 
     def _blame_events(self) -> None:
         """Checks not run for want of events share the events check's cause (crossed, topic, ...)."""
@@ -209,6 +223,15 @@ class _EngineRun:
         await self._hashes_check(ab, probe, cont, d)
         self._block_size_check(probe, second, third, d, len(a))
 
+    async def _held_anyway(self, tokens: list[int], d: int) -> int | None:
+        """Send ``tokens`` again: the cached tokens if the engine holds (nearly) all of their blocks.
+
+        For blocks whose ``BlockStored`` never came: held anyway means the events were lost.
+        """
+        again = await self.api.complete(tokens)
+        held = again.cached_tokens
+        return held if held is not None and held >= (len(tokens) // d) * d - d else None
+
     async def _prediction(self, tokens: list[int], d: int | None, expect_blocks: int) -> tuple[int, int | None]:
         """The router's matched blocks on the canary's stream (waiting for its view to catch up)."""
         stream = self.probe_a.events[0].stream if self.probe_a.events else self.streams[0]
@@ -231,9 +254,12 @@ class _EngineRun:
         since_sent = last - first.sent_s
         replay_failure, replay_note = await self._replay_check(probe)
         if not done:
-            self.checks["events"] = Check.failed(
-                "events", f"only {len(probe.block_ids)} of the canary's blocks arrived within "
-                f"{self.options.timeout_s:g} s", "no_events")
+            partial = f"only {len(probe.block_ids)} of the canary's blocks arrived within {self.options.timeout_s:g} s"
+            held = await self._held_anyway(probe.tokens, min(probe.sizes))
+            self.checks["events"] = (
+                Check.failed("events", f"{partial}, though the engine holds them all (sent again: {held} cached "
+                             "tokens)", "lost_events") if held is not None
+                else Check.failed("events", partial, "no_events"))
         elif replay_failure is not None:
             self.checks["events"] = replay_failure
         elif lag > self.options.max_event_lag_s:
@@ -279,9 +305,14 @@ class _EngineRun:
             return Check.failed(
                 "events", f"could not connect to {where} within {self.options.timeout_s:g} s", "not_connected")
         batches = sum(self.watcher.batches(s) for s in self.streams)
-        return Check.failed(
-            "events", f"no BlockStored for the canary on {where} within {self.options.timeout_s:g} s "
-            f"({batches} batch(es) received in all)", "no_events")
+        missing = (f"no BlockStored for the canary on {where} within {self.options.timeout_s:g} s "
+                   f"({batches} batch(es) received in all)")
+        if batches:  # the stream works: does the engine hold the canary it never announced?
+            held = (await self.api.complete(probe.tokens)).cached_tokens
+            if held is not None and held >= len(probe.tokens) // 2:
+                return Check.failed("events", f"{missing}, though the engine holds it (sent again: {held} "
+                                    "cached tokens)", "foreign_stream")
+        return Check.failed("events", missing, "no_events")
 
     def _replay_failure(self, answer: ReplayAnswer, endpoint: str, seq: int,
                         wanted: set[object]) -> tuple[str, str] | None:
@@ -350,9 +381,15 @@ class _EngineRun:
         k = len(a_probe.tokens) // d
         new = [s for s in cont.events if (cont.locate(s) or 0) >= k]
         if not new:
-            self.checks["hashes"] = Check.failed(
-                "hashes", f"no BlockStored for the continuation (blocks {k}..{len(ab) // d - 1}) within "
-                f"{self.options.timeout_s:g} s", "no_events")
+            missing = f"no BlockStored for the continuation (blocks {k}..{len(ab) // d - 1}) within " \
+                      f"{self.options.timeout_s:g} s"
+            held = await self._held_anyway(ab, d)  # does the engine hold what it never announced?
+            if held is not None:
+                self.checks["hashes"] = Check.failed(
+                    "hashes", f"{missing}, though the engine holds them (sent again: {held} cached tokens) "
+                    "and its seqs show no gap", "lost_events")
+            else:
+                self.checks["hashes"] = Check.failed("hashes", missing, "no_events")
             return
         first_new = min(new, key=lambda s: cont.locate(s) or 0)
         parent = first_new.event.parent_block_hash

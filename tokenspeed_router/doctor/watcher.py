@@ -95,6 +95,8 @@ class _StreamState:
     unknown_parents: list[object] = field(default_factory=list)
     resyncs: int = 0
     restarts: int = 0
+    connected: bool = False
+    reconnects: int = 0
     sniffer: zmq.Socket[bytes] | None = None
     """An unfiltered SUB on the same endpoint (the raw view)."""
     topics: dict[bytes, int] = field(default_factory=dict)
@@ -114,9 +116,11 @@ class Watcher:
         self._stop = False
         try:
             for t in targets:
-                sub = EventSubscriber(t.name, t.events, replay_endpoint=t.replay, topic=t.topic,
-                                      context=self._ctx, curve=t.curve)
-                monitor = sub.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED)
+                sub = EventSubscriber(
+                    t.name, t.events, replay_endpoint=t.replay, topic=t.topic, context=self._ctx, curve=t.curve,
+                    monitor_events=zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                monitor = sub.monitor
+                assert monitor is not None
                 st = _StreamState(t, sub, monitor)
                 self._streams[t.name] = st
                 st.sniffer = self._sniffer(t)
@@ -162,6 +166,12 @@ class Watcher:
         names = set(streams)
         with self._lock:
             return [s for s in self._seen if s.stream in names and s.recv_s >= since_s]
+
+    def restarts(self, stream: str) -> tuple[int, int]:
+        """(publisher restarts the router's subscriber saw, reconnections) on ``stream``."""
+        with self._lock:
+            st = self._streams[stream]
+            return st.restarts, st.reconnects
 
     def batches(self, stream: str) -> int:
         with self._lock:
@@ -233,11 +243,22 @@ class Watcher:
 
     def _on_monitor(self, st: _StreamState) -> None:
         while st.monitor.poll(0):
-            event = recv_monitor_message(st.monitor)
-            if event["event"] in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_CONNECTED) and st.joined_s is None:
-                with self._lock:
+            event = recv_monitor_message(st.monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                st.connected = False
+                continue
+            if event not in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_CONNECTED) or st.connected:
+                continue
+            st.connected = True
+            with self._lock:
+                if st.joined_s is None:
                     st.joined_s = time.monotonic()
-                    self._lock.notify_all()
+                else:
+                    # As the router does: a new publisher process may have sent its
+                    # first batches before we were back; the subscriber verifies.
+                    st.reconnects += 1
+                    st.subscriber.connection_reset()
+                self._lock.notify_all()
 
     def _on_sniffed(self, st: _StreamState, sock: zmq.Socket[bytes]) -> None:
         now = time.monotonic()
@@ -292,11 +313,6 @@ class Watcher:
 
     def _close_sockets(self) -> None:
         for st in self._streams.values():
-            try:
-                st.subscriber.socket.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            st.monitor.close(linger=0)
             if st.sniffer is not None:
                 st.sniffer.close(linger=0)
             st.subscriber.close()

@@ -291,6 +291,8 @@ class EventSubscriber:
 
     ``curve`` makes the SUB and replay DEALER sockets CURVE clients of a
     publisher that is a CURVE server (the relay's ``--curve-*``).
+    ``monitor_events`` (``zmq.EVENT_*`` flags) attaches a socket monitor
+    before the SUB connects, so no connection event is missed (:attr:`monitor`).
 
     ``poll(timeout_s)`` waits up to ``timeout_s`` and returns the items ready
     (possibly none); ``process_ready()`` never waits. ``context`` is borrowed
@@ -309,6 +311,7 @@ class EventSubscriber:
         max_payload_bytes: int = 64 << 20,
         start_seq: int | None = None,
         curve: CurveClientKeys | None = None,
+        monitor_events: int = 0,
     ) -> None:
         if replay_timeout_s <= 0:
             raise ValueError(f"replay_timeout_s must be > 0, got {replay_timeout_s}")
@@ -334,6 +337,10 @@ class EventSubscriber:
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         if curve is not None:
             curve.apply(self._sub)
+        # A monitor attached after connect() can miss a quick EVENT_CONNECTED.
+        self._monitor: zmq.Socket[bytes] | None = (
+            self._sub.get_monitor_socket(monitor_events) if monitor_events else None
+        )
         self._sub.connect(endpoint)
         self._dealer: zmq.Socket[bytes] | None = None
 
@@ -374,6 +381,14 @@ class EventSubscriber:
     @property
     def replay_endpoint(self) -> str | None:
         return self._replay_endpoint
+
+    @property
+    def monitor(self) -> zmq.Socket[bytes] | None:
+        """The SUB socket's monitor (``monitor_events`` given), attached before it connected.
+
+        Read it from the subscriber's thread; :meth:`close` closes it.
+        """
+        return self._monitor
 
     @property
     def socket(self) -> zmq.Socket[bytes]:
@@ -557,6 +572,12 @@ class EventSubscriber:
         if self._closed:
             return
         self._closed = True
+        if self._monitor is not None:
+            try:
+                self._sub.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(linger=0)
         self._sub.close(linger=0)
         if self._dealer is not None:
             self._dealer.close(linger=0)
