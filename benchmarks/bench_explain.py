@@ -4,11 +4,11 @@ Run (under the bench lock on a shared machine)::
 
     flock /tmp/tsr-bench.lock .venv/bin/python benchmarks/bench_explain.py             # ~2 min
     flock /tmp/tsr-bench.lock .venv/bin/python benchmarks/bench_explain.py --quick     # smoke
-    .venv/bin/python benchmarks/bench_explain.py --baseline-ref d0ccd3a --json out.json
+    .venv/bin/python benchmarks/bench_explain.py --baseline-ref edd8097 --baseline-patch --json out.json
 
 The baseline is another commit's whole package (``--baseline-ref``, default
-``main``; for this feature's cost, this tree with the feature's commits
-reverted: tag ``ops-explain-bench-baseline``), exported with ``git archive`` into a temporary directory as
+``main``; for this feature's cost, edd8097 (main, wave 3) with the feature
+taken out by ``--baseline-patch``: benchmarks/baselines/explain-off-edd8097.patch), exported with ``git archive`` into a temporary directory as
 ``tokenspeed_router_baseline`` (its imports rewritten to that name, this
 build's compiled core copied beside it) and imported into this process. So
 both versions' code paths run in one process, over one index, query by
@@ -70,29 +70,61 @@ from tokenspeed_router.bench.cli_bench import IN_FLIGHT
 WORKERS = 8
 TOKENS = 1024
 BASELINE = "tokenspeed_router_baseline"
+COPY = "tokenspeed_router_copy"
 REPO = Path(__file__).resolve().parent.parent
 _IMPORT = re.compile(r"\b(from|import) tokenspeed_router\b")
 
 
-def load_baseline_package(ref: str) -> tuple[Any, Path]:
-    """Commit ``ref``'s ``tokenspeed_router`` imported as :data:`BASELINE` (see the module docstring)."""
+#: ``--baseline-ref edd8097 --baseline-patch``: main (wave 3) with the feature taken out (what
+#: f68858a f5b5df7 ab9df25 722b706 7451c81 374a6fe added to the package, reverted; its
+#: replay/simulate re-deciding, off the routing path, kept); the figures in docs/benchmarks.md
+EXPLAIN_OFF_PATCH = REPO / "benchmarks" / "baselines" / "explain-off-edd8097.patch"
+
+
+def _import_as(root: Path, name: str) -> Any:
+    """Import ``root/tokenspeed_router`` as package ``name`` (imports rewritten, this build's core copied)."""
+    pkg = root / name
+    (root / "tokenspeed_router").rename(pkg)
+    for py in pkg.rglob("*.py"):
+        py.write_text(_IMPORT.sub(r"\1 " + name, py.read_text()))
+    native = Path(_native.__file__)
+    shutil.copy2(native, pkg / native.name)  # a copy: its own module object, loaded from its own path
+    sys.path.insert(0, str(root))
+    return importlib.import_module(name)
+
+
+def load_baseline_package(ref: str, patch: Path | None = None) -> tuple[Any, Path]:
+    """Commit ``ref``'s ``tokenspeed_router`` imported as :data:`BASELINE` (see the module docstring).
+
+    ``patch`` (a ``git diff`` of the package) is applied to it first, so a
+    baseline such as "``ref`` without one feature" is rebuilt from history and
+    a file in the repository, with no tag or branch to keep alive.
+    """
     root = Path(tempfile.mkdtemp(prefix="tsr-baseline-"))
     archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "tokenspeed_router"],
                              check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
-    pkg = root / BASELINE
-    (root / "tokenspeed_router").rename(pkg)
-    for py in pkg.rglob("*.py"):
-        py.write_text(_IMPORT.sub(r"\1 " + BASELINE, py.read_text()))
-    native = Path(_native.__file__)
-    shutil.copy2(native, pkg / native.name)  # a copy: its own module object, loaded from its own path
+    if patch is not None:
+        subprocess.run(["git", "apply", str(patch.resolve())], cwd=root, check=True)
     same_core = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", ref, "HEAD", "--", "csrc", "setup.py"],
                                check=False).returncode == 0
     if not same_core:
         print(f"note: csrc/ differs between {ref} and HEAD; the baseline runs on this build's native core",
               file=sys.stderr)
-    sys.path.insert(0, str(root))
-    return importlib.import_module(BASELINE), root
+    return _import_as(root, BASELINE), root
+
+
+def load_copy_package() -> tuple[Any, Path]:
+    """This checkout's package imported a second time, as :data:`COPY`: the like-for-like control.
+
+    A package imported as a second copy runs measurably slower than the one
+    imported first (about 10 % here for ``RouterService.route``), so the
+    baseline is compared with this copy, not with the original.
+    """
+    root = Path(tempfile.mkdtemp(prefix="tsr-copy-"))
+    shutil.copytree(REPO / "tokenspeed_router", root / "tokenspeed_router",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    return _import_as(root, COPY), root
 
 
 class _Row:
@@ -184,7 +216,7 @@ def _check_row(pkg: Any, tag: str) -> _Row:
 
 
 def _rows(pkgs: dict[str, Any], index: Any, rep: int, tmp: Path) -> tuple[dict[str, _Row], list[Any]]:
-    base, this = pkgs["baseline"], pkgs["this"]
+    base, this, copy = pkgs["baseline"], pkgs["this"], pkgs["copy"]
     services: list[Any] = []
 
     def service_row(name: str, pkg: Any, tag: str, explain: bool = False, **cfg: Any) -> None:
@@ -199,16 +231,19 @@ def _rows(pkgs: dict[str, Any], index: Any, rep: int, tmp: Path) -> tuple[dict[s
     service_row("service_baseline", base, f"b{rep}-")
     service_row("service", this, f"t{rep}-")
     service_row("service_again", this, f"a{rep}-")  # A/A control: the same code as "service"
+    service_row("service_copy", copy, f"c{rep}-")  # this code, imported second like the baseline
     service_row("service_log_idle", this, f"l{rep}-", decision_log=str(tmp / f"idle{rep}.jsonl"), explain_sample=0.0)
     service_row("service_sample_1pct", this, f"s{rep}-", decision_log=str(tmp / f"s{rep}.jsonl"), explain_sample=0.01)
     service_row("service_explain", this, f"e{rep}-", explain=True)
     encoder = msgspec.json.Encoder()
-    for name, pkg, tag in (("http_baseline", base, f"hb{rep}-"), ("http", this, f"ht{rep}-")):
+    for name, pkg, tag in (("http_baseline", base, f"hb{rep}-"), ("http", this, f"ht{rep}-"),
+                           ("http_copy", copy, f"hc{rep}-")):
         svc = _service(pkg, index)
         services.append(svc)
         rows[name] = _HttpRow(_Asgi(pkg, svc), svc.release, tag, encoder)
     rows["gateway_check_baseline"] = _check_row(base, "cb")
     rows["gateway_check"] = _check_row(this, "ct")
+    rows["gateway_check_copy"] = _check_row(copy, "cc")
     return rows, services
 
 
@@ -232,7 +267,13 @@ class _HttpRow(_Row):
 
 
 PAIRS = (
+    # the feature's cost, like for like: both sides imported as second copies
+    ("service_copy_vs_baseline", "service_copy", "service_baseline"),
+    ("http_copy_vs_baseline", "http_copy", "http_baseline"),
+    ("gateway_check_copy_vs_baseline", "gateway_check_copy", "gateway_check_baseline"),
+    # controls: the same code twice, and the same code imported first vs second
     ("service_vs_service_again", "service", "service_again"),
+    ("service_vs_service_copy", "service", "service_copy"),
     ("service_vs_baseline", "service", "service_baseline"),
     ("service_log_idle_vs_baseline", "service_log_idle", "service_baseline"),
     ("service_sample_1pct_vs_baseline", "service_sample_1pct", "service_baseline"),
@@ -242,9 +283,10 @@ PAIRS = (
 )
 
 
-def run(num_queries: int, repeats: int, ref: str) -> dict[str, Any]:
-    baseline, root = load_baseline_package(ref)
-    pkgs = {"baseline": baseline, "this": tokenspeed_router}
+def run(num_queries: int, repeats: int, ref: str, patch: Path | None = None) -> dict[str, Any]:
+    baseline, root = load_baseline_package(ref, patch)
+    copy, copy_root = load_copy_package()
+    pkgs = {"baseline": baseline, "this": tokenspeed_router, "copy": copy}
     rng = random.Random(SEED + WORKERS)
     index, conversations = build_index(WORKERS, 40 if num_queries > 500 else 8, rng)
     qs = queries(conversations, TOKENS, num_queries, random.Random(SEED + TOKENS))
@@ -272,8 +314,9 @@ def run(num_queries: int, repeats: int, ref: str) -> dict[str, Any]:
                 service.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(copy_root, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    out: dict[str, Any] = {"baseline_ref": ref, "workers": WORKERS, "tokens": TOKENS, "queries": num_queries,
+    out: dict[str, Any] = {"baseline_ref": ref, "baseline_patch": None if patch is None else str(patch), "workers": WORKERS, "tokens": TOKENS, "queries": num_queries,
                            "repeats": repeats, "stored_blocks": index.num_blocks(), "rows": {}, "ratios": {}}
     for name, values in samples.items():
         out["rows"][name] = {"median_us": round(statistics.median(values), 2), "min_us": round(min(values), 2),
@@ -291,9 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--queries", type=int, default=2000)
     parser.add_argument("--baseline-ref", default="main", help="git commit or branch to compare with (default main)")
+    parser.add_argument("--baseline-patch", nargs="?", type=Path, const=EXPLAIN_OFF_PATCH, default=None,
+                        metavar="FILE", help="apply this package diff to the baseline first; with no FILE, "
+                        f"{EXPLAIN_OFF_PATCH.relative_to(REPO)} (use with --baseline-ref edd8097)")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
-    result = run(300 if args.quick else args.queries, 1 if args.quick else args.repeats, args.baseline_ref)
+    result = run(300 if args.quick else args.queries, 1 if args.quick else args.repeats, args.baseline_ref,
+                 args.baseline_patch)
     for name, row in result["rows"].items():
         print(f"{name:24s} median {row['median_us']:8.2f} us  (min {row['min_us']:.2f}, max {row['max_us']:.2f})")
     print(f"throughput ratios vs {args.baseline_ref} ({result['repeats']} repeats, {WORKERS} workers, "
