@@ -67,7 +67,7 @@ LOSSES: dict[str, str] = {
     "restart": "the engine restarted while the doctor ran",
 }
 COMMON = ["--instant", "--capacity-tokens", "16384"]
-DOCTOR_FLAGS = ["--timeout", "8", "--max-event-lag", "1.0"]
+DOCTOR_FLAGS = ["--timeout", "5", "--max-event-lag", "1.0"]
 
 
 def spec(name: str, engine: EngineSim) -> str:
@@ -88,9 +88,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
             list(pool.map(lambda e: e.start(timeout_s=120), engines.values()))
         yield engines
     finally:
-        for e in engines.values():
-            if e.proc is not None:
-                e.stop()
+        with ThreadPoolExecutor(len(engines)) as pool:  # each stop waits for its process: at once
+            list(pool.map(lambda e: e.stop() if e.proc is not None else None, engines.values()))
 
 
 @pytest.fixture(scope="module")
@@ -202,10 +201,10 @@ def dp_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
     engine.stop()
 
 
-def spec_report(*specs: str) -> dict[str, dict[str, dict[str, Any]]]:
+def spec_report(*specs: str, flags: tuple[str, ...] = ()) -> dict[str, dict[str, dict[str, Any]]]:
     """worker -> check name -> check, from one doctor run over ``specs``."""
     args = [a for s in specs for a in ("--worker", s)]
-    proc = doctor(*args, *DOCTOR_FLAGS, "--json")
+    proc = doctor(*args, *DOCTOR_FLAGS, *flags, "--json")
     assert proc.returncode in (0, 1), proc.stderr
     return {e["worker"]: checks(e) for e in json.loads(proc.stdout)["engines"]}
 
@@ -285,3 +284,11 @@ def test_doctor_follows_a_curve_relay(fleet: dict[str, EngineSim], tmp_path: Pat
             relay.terminate()
             relay.wait(30)
     assert failing(report) == set(), json.dumps(report, indent=1) + (tmp_path / "relay.stderr").read_text()[-2000:]
+
+
+def test_block_size_other_than_expected_is_named(fleet: dict[str, EngineSim]) -> None:
+    """``--block-size N``: an engine whose blocks are another size fails block_size, and only that."""
+    report = spec_report(spec("healthy", fleet["healthy"]), flags=("--block-size", "32"))["healthy"]
+    assert failing(report) == {"block_size"}, json.dumps(report, indent=1)
+    assert "declare block_size 16, expected 32" in report["block_size"]["detail"]
+    assert "--block-size" in report["block_size"]["cause"]
