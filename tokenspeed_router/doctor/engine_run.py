@@ -17,6 +17,17 @@ Sends, all to the engine's own API, each asking for one output token:
 
 ``spec`` compares the events' DP rank, LoRA and salt with the worker spec
 (and, against a running router, the router's own state for the worker).
+
+Then 6. a replay request for the seq the canary arrived with, to the spec's
+``replay=`` (``events``: it must answer with the canary's blocks), and 7. a
+short canary per DP rank with vLLM's rank header, one rank past the spec's
+too (``spec``: each rank publishes on its own port, and no more ranks).
+
+When something does not arrive, the run asks why before it blames the
+configuration: the canary on another worker's stream (crossed specs), other
+topics in the raw view, the canary published but never delivered (a replay
+endpoint of another engine), the engine holding what it never announced
+(lost events), a restart or reconnection meanwhile.
 """
 
 from __future__ import annotations
