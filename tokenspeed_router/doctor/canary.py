@@ -19,6 +19,7 @@ cache really uses.
 
 from __future__ import annotations
 
+import random
 import secrets
 from typing import Any
 
@@ -41,6 +42,15 @@ class Canary:
     def text(self, kind: str, count: int) -> str:
         """``count`` unique words, the nonce first (so block 0 is unique under any tokenizer)."""
         return " ".join(self.words(kind, count))
+
+    def token_ids(self, kind: str, count: int) -> list[int]:
+        """``count`` pseudo-random token ids, fixed by the nonce and ``kind`` (ids every vocabulary has).
+
+        For probes sent as token ids when no tokenizer gave real ones, and for
+        the short per-rank canaries.
+        """
+        rng = random.Random(f"{self.nonce}-{kind}")
+        return [rng.randrange(1000, 30000) for _ in range(count)]
 
     def messages(self, count: int) -> list[dict[str, Any]]:
         """A one-message chat whose content is ``count`` unique words."""

@@ -33,7 +33,6 @@ endpoint of another engine), the engine holding what it never announced
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ import aiohttp
 from tokenspeed_router.doctor.canary import CONTINUATION_TOKENS, PROBE_TOKENS, Canary
 from tokenspeed_router.doctor.checks import CAUSES, CHECK_NAMES, Cause, Check
 from tokenspeed_router.doctor.engine_api import Answer, EngineApi, EngineApiError
-from tokenspeed_router.doctor.replay_probe import ReplayAnswer, probe_replay
+from tokenspeed_router.doctor.replay_probe import probe_replay
 from tokenspeed_router.doctor.report import EngineReport
 from tokenspeed_router.doctor.views import RouterView, ViewError
 from tokenspeed_router.doctor.watcher import Seen, StreamTarget, Watcher
@@ -109,6 +108,11 @@ class _Probe:
         return all(i in self.block_ids for i in range(start, stop))
 
 
+def _all_but_one_block(tokens: list[int], block_size: int) -> int:
+    """Cached tokens an engine reports for a full hit of ``tokens``, less one block of slack."""
+    return (len(tokens) // block_size) * block_size - block_size
+
+
 def _full_tokens(seen: Seen) -> list[int]:
     ev = seen.event
     bs = ev.block_size
@@ -152,8 +156,7 @@ class _EngineRun:
             ids, problem = [], str(err)
         need = PROBE_TOKENS + CONTINUATION_TOKENS
         if len(ids) < need:
-            rng = random.Random(self.canary.nonce)
-            ids = [rng.randrange(1000, 30000) for _ in range(need)]
+            ids = self.canary.token_ids("ids", need)
         return ids[:need], problem
 
     # ------------------------------------------------------------------ the run
@@ -234,14 +237,15 @@ class _EngineRun:
         await self._hashes_check(ab, probe, cont, d)
         self._block_size_check(probe, second, third, d, len(a))
 
-    async def _held_anyway(self, tokens: list[int], d: int) -> int | None:
-        """Send ``tokens`` again: the cached tokens if the engine holds (nearly) all of their blocks.
+    async def _held_anyway(self, tokens: list[int], at_least: int) -> int | None:
+        """Send ``tokens`` again: the cached tokens it reports if ``at_least`` (None otherwise).
 
-        For blocks whose ``BlockStored`` never came: held anyway means the events were lost.
+        For blocks whose ``BlockStored`` never came: held anyway means the events went
+        astray. ``at_least``: :func:`_all_but_one_block`, or half the prompt when the
+        block size is unknown.
         """
-        again = await self.api.complete(tokens)
-        held = again.cached_tokens
-        return held if held is not None and held >= (len(tokens) // d) * d - d else None
+        held = (await self.api.complete(tokens)).cached_tokens
+        return held if held is not None and held >= at_least else None
 
     async def _prediction(self, tokens: list[int], d: int | None, expect_blocks: int) -> tuple[int, int | None]:
         """The router's matched blocks on the canary's stream (waiting for its view to catch up)."""
@@ -263,15 +267,16 @@ class _EngineRun:
         last = max(s.recv_s for s in probe.events)
         lag = max(0.0, last - first.answered_s)
         since_sent = last - first.sent_s
-        replay_failure, replay_note = await self._replay_check(probe)
         if not done:
             partial = f"only {len(probe.block_ids)} of the canary's blocks arrived within {self.options.timeout_s:g} s"
-            held = await self._held_anyway(probe.tokens, min(probe.sizes))
+            held = await self._held_anyway(probe.tokens, _all_but_one_block(probe.tokens, min(probe.sizes)))
             self.checks["events"] = (
                 Check.failed("events", f"{partial}, though the engine holds them all (sent again: {held} cached "
                              "tokens)", "lost_events") if held is not None
                 else Check.failed("events", partial, "no_events"))
-        elif replay_failure is not None:
+            return
+        replay_failure, replay_note = await self._replay_check(probe)  # only once all came
+        if replay_failure is not None:
             self.checks["events"] = replay_failure
         elif lag > self.options.max_event_lag_s:
             self.checks["events"] = Check.failed(
@@ -306,9 +311,7 @@ class _EngineRun:
             lost = (f"the engine published the canary on {st.events} (seq {seq}), but the router's subscriber "
                     "never delivered it")
             if st.replay is not None:
-                replay = await asyncio.to_thread(probe_replay, st.replay, seq, self.options.timeout_s, st.curve)
-                wanted: set[object] = {b for s in raw for b in s.event.block_hashes}
-                failure = self._replay_failure(replay, st.replay, seq, wanted)
+                failure = await self._replay_failure(st, seq, {b for s in raw for b in s.event.block_hashes})
                 if failure is not None:
                     return Check.failed("events", f"{lost}: {failure[0]}", failure[1])
             return Check.failed("events", f"{lost} (dropped in sequencing)", "no_events")
@@ -319,15 +322,18 @@ class _EngineRun:
         missing = (f"no BlockStored for the canary on {where} within {self.options.timeout_s:g} s "
                    f"({batches} batch(es) received in all)")
         if batches:  # the stream works: does the engine hold the canary it never announced?
-            held = (await self.api.complete(probe.tokens)).cached_tokens
-            if held is not None and held >= len(probe.tokens) // 2:
+            held = await self._held_anyway(probe.tokens, len(probe.tokens) // 2)
+            if held is not None:
                 return Check.failed("events", f"{missing}, though the engine holds it (sent again: {held} "
                                     "cached tokens)", "foreign_stream")
         return Check.failed("events", missing, "no_events")
 
-    def _replay_failure(self, answer: ReplayAnswer, endpoint: str, seq: int,
-                        wanted: set[object]) -> tuple[str, str] | None:
-        """(detail, cause) when a replay from ``seq`` did not bring back the ``wanted`` blocks."""
+    async def _replay_failure(self, target: StreamTarget, seq: int,
+                              wanted: set[object]) -> tuple[str, str] | None:
+        """Replay ``target`` from ``seq``: (detail, cause) when the ``wanted`` blocks do not come back."""
+        assert target.replay is not None
+        endpoint = target.replay
+        answer = await asyncio.to_thread(probe_replay, endpoint, seq, self.options.timeout_s, target.curve)
         if answer.error is not None or not (answer.answered or answer.replies):
             why = answer.error or f"no answer within {self.options.timeout_s:g} s"
             return f"the replay endpoint {endpoint} did not answer a replay from seq {seq}: {why}", "no_replay"
@@ -347,9 +353,7 @@ class _EngineRun:
             return None, "no replay endpoint in the spec (a gap in the stream forces a full resync)"
         if seen.seq < 0:
             return None, "replay not checked"
-        answer = await asyncio.to_thread(probe_replay, target.replay, seen.seq, self.options.timeout_s,
-                                         target.curve)
-        failure = self._replay_failure(answer, target.replay, seen.seq, set(probe.block_ids.values()))
+        failure = await self._replay_failure(target, seen.seq, set(probe.block_ids.values()))
         if failure is not None:
             return Check.failed("events", failure[0], failure[1]), ""
         return None, f"replay from seq {seen.seq} at {target.replay} returns them"
@@ -394,7 +398,7 @@ class _EngineRun:
         if not new:
             missing = f"no BlockStored for the continuation (blocks {k}..{len(ab) // d - 1}) within " \
                       f"{self.options.timeout_s:g} s"
-            held = await self._held_anyway(ab, d)  # does the engine hold what it never announced?
+            held = await self._held_anyway(ab, _all_but_one_block(ab, d))  # held, never announced?
             if held is not None:
                 self.checks["hashes"] = Check.failed(
                     "hashes", f"{missing}, though the engine holds them (sent again: {held} cached tokens) "
@@ -538,9 +542,7 @@ class _EngineRun:
 
     async def _rank_probe(self, rank: int, stream: str | None) -> None:
         """One short canary for ``rank``: on ``stream`` it must arrive (None: a rank past the spec's)."""
-        d = min(self.probe_a.sizes)
-        rng = random.Random(f"{self.canary.nonce}-rank-{rank}")
-        ids = [rng.randrange(1000, 30000) for _ in range(4 * d)]
+        ids = self.canary.token_ids(f"rank-{rank}", 4 * min(self.probe_a.sizes))
         try:
             answer = await self.api.complete(ids, dp_rank=rank)
         except EngineApiError as err:
