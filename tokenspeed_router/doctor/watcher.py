@@ -82,7 +82,6 @@ class Seen:
     event: BlockStored
     seq: int = -1
     """The seq of the batch that carried it."""
-    replayed: bool = False
 
 
 @dataclass(slots=True)
@@ -90,6 +89,8 @@ class _StreamState:
     target: StreamTarget
     subscriber: EventSubscriber
     monitor: zmq.Socket[bytes]
+    sniffer: zmq.Socket[bytes]
+    """An unfiltered SUB on the same endpoint (the raw view)."""
     joined_s: float | None = None
     batches: int = 0
     unknown_parents: list[object] = field(default_factory=list)
@@ -97,8 +98,6 @@ class _StreamState:
     restarts: int = 0
     connected: bool = False
     reconnects: int = 0
-    sniffer: zmq.Socket[bytes] | None = None
-    """An unfiltered SUB on the same endpoint (the raw view)."""
     topics: dict[bytes, int] = field(default_factory=dict)
     raw: list[Seen] = field(default_factory=list)
 
@@ -121,9 +120,12 @@ class Watcher:
                     monitor_events=zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
                 monitor = sub.monitor
                 assert monitor is not None
-                st = _StreamState(t, sub, monitor)
-                self._streams[t.name] = st
-                st.sniffer = self._sniffer(t)
+                try:
+                    sniffer = self._sniffer(t)
+                except BaseException:
+                    sub.close()
+                    raise
+                self._streams[t.name] = _StreamState(t, sub, monitor, sniffer)
         except Exception:
             self._close_sockets()
             raise
@@ -213,8 +215,7 @@ class Watcher:
             for st in self._streams.values():
                 sockets.append(st.monitor)
                 sockets.extend(st.subscriber.poll_sockets())
-                if st.sniffer is not None:
-                    sockets.append(st.sniffer)
+                sockets.append(st.sniffer)
             key = tuple(id(s) for s in sockets)
             if poller_cache is None or poller_cache[0] != key:
                 poller = zmq.Poller()
@@ -230,7 +231,7 @@ class Watcher:
             for st in self._streams.values():
                 if st.monitor in ready:
                     self._on_monitor(st)
-                if st.sniffer is not None and st.sniffer in ready:
+                if st.sniffer in ready:
                     self._on_sniffed(st, st.sniffer)
                 try:
                     items = st.subscriber.process_ready()
@@ -290,8 +291,7 @@ class Watcher:
                     st.batches += 1
                     for ev in item.batch.events:
                         if isinstance(ev, BlockStored):
-                            self._seen.append(Seen(name, now, item.batch.data_parallel_rank, ev,
-                                                   item.seq, item.replayed))
+                            self._seen.append(Seen(name, now, item.batch.data_parallel_rank, ev, item.seq))
                     try:
                         self._index.apply(name, item.batch)
                     except TokenspeedError as err:  # an unknown parent: the router would resync here
@@ -313,8 +313,7 @@ class Watcher:
 
     def _close_sockets(self) -> None:
         for st in self._streams.values():
-            if st.sniffer is not None:
-                st.sniffer.close(linger=0)
+            st.sniffer.close(linger=0)
             st.subscriber.close()
         self._ctx.term()
 
