@@ -26,6 +26,7 @@ from support.server import ServeProcess
 
 from tokenspeed_router.doctor.checks import CAUSES
 from tokenspeed_router.endpoints import free_tcp_port
+from tokenspeed_router.events.curve import generate_key_files
 
 #: engine -> its misconfiguration flags. Faults that show in different checks share an
 #: engine, so the fleet starts six processes, not ten (each check is still named alone).
@@ -261,25 +262,20 @@ def test_misconfigured_specs_are_named(fleet: dict[str, EngineSim], dp_engine: d
 
 def test_doctor_follows_a_curve_relay(fleet: dict[str, EngineSim], tmp_path: Path) -> None:
     """With curve_server_key=/curve_key= in the spec, the doctor subscribes (and replays) over CURVE."""
-    keys = {}
-    for name in ("relay", "router"):
-        subprocess.run([sys.executable, "-m", "tokenspeed_router.cli", "relay", "--gen-keys",
-                        str(tmp_path / name), "--key-name", name], cwd=REPO_ROOT, capture_output=True,
-                       text=True, timeout=60, check=True)
-        keys[name] = tmp_path / name / name
+    relay_public, relay_secret = generate_key_files(tmp_path / "relay", "relay")
+    router_public, router_secret = generate_key_files(tmp_path / "router", "router")
     engine = fleet["healthy"]
     publish, replay = free_tcp_port(), free_tcp_port()
     with open(tmp_path / "relay.stderr", "wb") as stderr:
         relay = subprocess.Popen(
             [sys.executable, "-m", "tokenspeed_router.cli", "relay", "--engine", engine.events,
              "--engine-replay", engine.replay_endpoint, "--publish", f"tcp://127.0.0.1:{publish}",
-             "--replay", f"tcp://127.0.0.1:{replay}", "--curve-secret-key", f"{keys['relay']}.key_secret",
-             "--curve-allow", f"{keys['router']}.key"],
+             "--replay", f"tcp://127.0.0.1:{replay}", "--curve-secret-key", str(relay_secret),
+             "--curve-allow", str(router_public)],
             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
         try:
             base = f"name=relayed,url={engine.url},events=tcp://127.0.0.1:{publish},replay=tcp://127.0.0.1:{replay}"
-            report = spec_report(f"{base},curve_server_key={keys['relay']}.key,"
-                                 f"curve_key={keys['router']}.key_secret")["relayed"]
+            report = spec_report(f"{base},curve_server_key={relay_public},curve_key={router_secret}")["relayed"]
         finally:
             relay.terminate()
             relay.wait(30)
