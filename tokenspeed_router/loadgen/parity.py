@@ -23,6 +23,15 @@ does not, and that is a bug to fix there.
   modelled ms). The client's TTFT (wall x K) and the router-added latency
   (client - engine, wall) are reported beside it, not compared.
 
+Both sides replay the same **warm-up** first (:func:`warm_up_requests`):
+short prompts of their own, one at a time, before the slice. The live
+gateway needs one (its first requests pay one-time costs), and the
+router's fitted prefill rate learns from every request it routes; a
+warm-up the simulated router did not see left the two routers believing
+different engine speeds (one engine on its own fit, another still on the
+fleet's), so they split at the first close call, by the machine's luck.
+The warm-up's outcomes are left out of the comparison.
+
 :func:`compare` checks per-worker request counts, hit ratio and TTFT p50 /
 p99 against :class:`Tolerances` (docs/compare-routers.md says why those).
 """
@@ -39,7 +48,7 @@ from typing import Any
 
 from tokenspeed_router.loadgen.fleet import EngineSimOptions, Fleet, clock_scaled_router_flags
 from tokenspeed_router.loadgen.prompts import PromptBuilder, PromptConfig
-from tokenspeed_router.loadgen.replay import ReplayConfig, replay, warm_up
+from tokenspeed_router.loadgen.replay import ReplayConfig, replay
 from tokenspeed_router.percentiles import percentile
 from tokenspeed_router.sim.cluster import ClusterConfig, CostModel, Simulator
 from tokenspeed_router.sim.policies import RouterBackend
@@ -47,7 +56,7 @@ from tokenspeed_router.sim.traces import TraceRequest
 from tokenspeed_router.timing import Profile, TimingModel
 
 __all__ = ["ParitySetup", "SideResult", "Tolerances", "compare", "format_comparison", "live_side", "prepare",
-           "simulate_side"]
+           "simulate_side", "warm_up_requests"]
 
 MODEL = "tokenspeed-sim"
 
@@ -70,6 +79,13 @@ class ParitySetup:
     event_lag_wall_s: float = 0.002
     policy: str = "kv_aware"
     router_options: tuple[tuple[str, Any], ...] = ()
+    #: warm-up requests both sides replay before the slice (modelled seconds apart)
+    warm_up_requests: int = 12
+    warm_up_gap_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.warm_up_requests < 0 or not self.warm_up_gap_s > 0:
+            raise ValueError("warm_up_requests must be >= 0 and warm_up_gap_s > 0")
 
     def timing_model(self) -> TimingModel:
         return TimingModel(profile=self.timing, prefill_tokens_per_s=self.prefill_tokens_per_s,
@@ -119,8 +135,39 @@ def prepare(requests: Sequence[TraceRequest], setup: ParitySetup) -> list[TraceR
             for r in requests]
 
 
+#: hash ids of warm-up blocks: far above any trace's (Mooncake ids count up from 0)
+_WARM_UP_IDS = 1 << 60
+
+
+def warm_up_requests(requests: Sequence[TraceRequest], setup: ParitySetup) -> list[TraceRequest]:
+    """The warm-up both sides replay, then the slice shifted after it (warm-up first).
+
+    Each warm-up request is two blocks of its own (nothing in the slice
+    shares them) with a two-token answer, ``warm_up_gap_s`` apart: long
+    enough that each is done before the next on an idle engine, so they
+    teach both routers clean prefill samples, not a queue.
+    """
+    n, gap = setup.warm_up_requests, setup.warm_up_gap_s
+    if n == 0 or not requests:
+        return list(requests)
+    block = requests[0].block_tokens
+    warm = [TraceRequest(request_id=f"warm-up-{i}", arrival_s=i * gap, input_length=2 * block, output_length=2,
+                         hash_ids=(_WARM_UP_IDS + 2 * i, _WARM_UP_IDS + 2 * i + 1), block_tokens=block)
+            for i in range(n)]
+    offset = n * gap + 1.0
+    return warm + [replace(r, arrival_s=r.arrival_s + offset) for r in requests]
+
+
+def _trim(side: SideResult, skip: int) -> SideResult:
+    """``side`` without its first ``skip`` (warm-up) requests."""
+    return replace(side, workers=side.workers[skip:], ttft_s=side.ttft_s[skip:],
+                   cached_tokens=side.cached_tokens[skip:], prompt_tokens=side.prompt_tokens[skip:],
+                   client_ttft_s=side.client_ttft_s[skip:],
+                   router_added_s=side.router_added_s[skip:])
+
+
 def simulate_side(requests: Sequence[TraceRequest], setup: ParitySetup) -> SideResult:
-    """The slice through ``simulate``'s engine model and the in-process router."""
+    """The slice through ``simulate``'s engine model and the in-process router (after the warm-up)."""
     t = setup.timing_model()
     cluster = ClusterConfig(
         num_workers=setup.num_workers, capacity_tokens=setup.capacity_tokens, page_size=setup.block_size,
@@ -131,15 +178,16 @@ def simulate_side(requests: Sequence[TraceRequest], setup: ParitySetup) -> SideR
     sim = Simulator(cluster)
     backend = RouterBackend(setup.policy, cluster, sim, router_options=dict(setup.router_options),
                             signal_prefill_done=True)
-    run = sim.run(requests, backend)
+    replayed = warm_up_requests(requests, setup)
+    run = sim.run(replayed, backend)
     names = run.worker_names
-    return SideResult(
+    return _trim(SideResult(
         name="simulate",
         workers=[names[i] for i in run.worker_index.tolist()],
         ttft_s=[float(x) for x in run.ttft_s.tolist()],
         cached_tokens=[int(x) for x in run.hit_tokens.tolist()],
         prompt_tokens=[int(x) for x in run.input_tokens.tolist()],
-    )
+    ), len(replayed) - len(requests))
 
 
 def live_side(requests: Sequence[TraceRequest], setup: ParitySetup, log_dir: Path, *,
@@ -157,15 +205,15 @@ def live_side(requests: Sequence[TraceRequest], setup: ParitySetup, log_dir: Pat
     extra = clock_scaled_router_flags(k)
     for key, value in setup.router_options:
         extra += ["--router-option", f"{key}={value}"]
-    paced = [replace(r, arrival_s=r.arrival_s / k) for r in requests]
+    replayed = warm_up_requests(requests, setup)
+    paced = [replace(r, arrival_s=r.arrival_s / k) for r in replayed]
     builder = PromptBuilder(PromptConfig(model=MODEL, max_output_tokens=setup.max_output_tokens))
     with Fleet(log_dir, **fleet_kw) as fleet:
         engines = fleet.start_engines(setup.worker_names(), [engine] * setup.num_workers)
         url = fleet.start_gateway("gateway", engines, policy=setup.policy, extra=extra)
-        warm_up(ReplayConfig(target=url), MODEL, requests=4 * setup.num_workers)
         outcome = replay(paced, builder, ReplayConfig(target=url))
     records = outcome.records
-    return SideResult(
+    return _trim(SideResult(
         name="live",
         workers=[r.worker if r.ok else None for r in records],
         ttft_s=[r.engine_modelled_ttft_s if r.ok else None for r in records],
@@ -174,7 +222,7 @@ def live_side(requests: Sequence[TraceRequest], setup: ParitySetup, log_dir: Pat
         errors=sum(1 for r in records if not r.ok),
         client_ttft_s=[r.ttft_s * k if r.ok and r.ttft_s is not None else None for r in records],
         router_added_s=[r.router_added_s if r.ok else None for r in records],
-    )
+    ), len(replayed) - len(requests))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,52 @@
+"""The parity harness's warm-up: both sides replay it, nothing in the slice shares it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenspeed_router.loadgen.parity import (
+    ParitySetup,
+    SideResult,
+    prepare,
+    simulate_side,
+    warm_up_requests,
+)
+from tokenspeed_router.sim.traces import TraceRequest
+from tokenspeed_router.sim.workload import WorkloadConfig, generate_workload
+
+
+def _slice() -> list[TraceRequest]:
+    workload = generate_workload(WorkloadConfig(num_requests=20, seed=1, block_tokens=32, system_prompt_tokens=256,
+                                                question_tokens=64, answer_tokens=32))
+    return prepare(workload, ParitySetup(num_workers=2))
+
+
+def test_warm_up_comes_first_shares_no_block_and_shifts_the_slice() -> None:
+    requests = _slice()
+    setup = ParitySetup(num_workers=2, warm_up_requests=5, warm_up_gap_s=0.25)
+    replayed = warm_up_requests(requests, setup)
+    warm, rest = replayed[:5], replayed[5:]
+    assert [r.request_id for r in rest] == [r.request_id for r in requests]
+    assert all(r.request_id.startswith("warm-up-") for r in warm)
+    assert max(r.arrival_s for r in warm) < min(r.arrival_s for r in rest)
+    offsets = {round(b.arrival_s - a.arrival_s, 9) for a, b in zip(requests, rest, strict=True)}
+    assert len(offsets) == 1  # the slice keeps its own spacing
+    trace_blocks = {h for r in requests for h in r.hash_ids}
+    warm_blocks = [h for r in warm for h in r.hash_ids]
+    assert len(set(warm_blocks)) == len(warm_blocks) and not trace_blocks & set(warm_blocks)
+    assert warm_up_requests(requests, ParitySetup(warm_up_requests=0)) == requests
+
+
+def test_simulate_side_leaves_the_warm_up_out() -> None:
+    requests = _slice()
+    side = simulate_side(requests, ParitySetup(num_workers=2, capacity_tokens=4000, warm_up_requests=4))
+    assert isinstance(side, SideResult)
+    assert len(side.workers) == len(side.ttft_s) == len(side.prompt_tokens) == len(requests)
+    assert side.prompt_tokens == [r.input_length for r in requests]
+
+
+def test_warm_up_settings_are_checked() -> None:
+    with pytest.raises(ValueError):
+        ParitySetup(warm_up_requests=-1)
+    with pytest.raises(ValueError):
+        ParitySetup(warm_up_gap_s=0.0)
