@@ -254,7 +254,9 @@ class Tolerances:
 
 def compare(sim: SideResult, live: SideResult, names: Sequence[str],
             tol: Tolerances = Tolerances()) -> dict[str, Any]:
-    """Rows ``{metric: {simulate, live, diff, tolerance, ok}}`` and an overall ``ok``."""
+    """Rows ``{metric: {simulate, live, diff, tolerance, ok}}``, an overall ``ok``, and what is reported
+    beside them, not compared (``live_wall``): requests placed alike, the first placed apart, the
+    live client's TTFT and the router-added latency."""
     n_sim = max(1, sum(1 for w in sim.workers if w is not None))
     n_live = max(1, sum(1 for w in live.workers if w is not None))
     sim_counts, live_counts = sim.per_worker(names), live.per_worker(names)
@@ -276,7 +278,10 @@ def compare(sim: SideResult, live: SideResult, names: Sequence[str],
                                 "ok": diff <= allowed}
     client = [t for t in live.client_ttft_s if t is not None]
     added = [a for a in live.router_added_s if a is not None]
-    info = {"client_ttft_p50_s": percentile(client, 50) if client else None,
+    apart = [i for i, (a, b) in enumerate(zip(sim.workers, live.workers, strict=False)) if a != b]
+    info = {"placed_alike": min(len(sim.workers), len(live.workers)) - len(apart),
+            "first_apart": apart[0] if apart else None,
+            "client_ttft_p50_s": percentile(client, 50) if client else None,
             "client_ttft_p99_s": percentile(client, 99) if client else None,
             "router_added_p50_s": percentile(added, 50) if added else None,
             "router_added_p99_s": percentile(added, 99) if added else None}
@@ -299,6 +304,10 @@ def format_comparison(result: dict[str, Any]) -> str:
         lines.append(f"{name:<22}{fmt(row['simulate'])}{fmt(row['live'])}{row['diff']:>10.3f}"
                      f"{row['tolerance']:>10.3f}  {'yes' if row['ok'] else 'NO'}")
     info = result.get("live_wall") or {}
+    if info.get("placed_alike") is not None:
+        first = info.get("first_apart")
+        lines.append(f"placed alike: {info['placed_alike']} requests"
+                     + ("" if first is None else f" (the first placed apart: #{first})"))
     if info.get("client_ttft_p50_s") is not None:
         lines.append(f"live, not compared: client TTFT p50 {info['client_ttft_p50_s']:.3f} s / p99 "
                      f"{info['client_ttft_p99_s']:.3f} s (modelled); router-added p50 "

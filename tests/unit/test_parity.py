@@ -1,4 +1,4 @@
-"""The parity harness's warm-up: both sides replay it, nothing in the slice shares it."""
+"""The parity harness: the warm-up both sides replay (nothing in the slice shares it), and what compare reports."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import pytest
 from tokenspeed_router.loadgen.parity import (
     ParitySetup,
     SideResult,
+    compare,
+    format_comparison,
     prepare,
     simulate_side,
     warm_up_requests,
@@ -50,3 +52,15 @@ def test_warm_up_settings_are_checked() -> None:
         ParitySetup(warm_up_requests=-1)
     with pytest.raises(ValueError):
         ParitySetup(warm_up_gap_s=0.0)
+
+
+def test_compare_reports_requests_placed_alike() -> None:
+    def side(name: str, workers: list[str | None]) -> SideResult:
+        n = len(workers)
+        return SideResult(name=name, workers=workers, ttft_s=[0.1] * n, cached_tokens=[0] * n, prompt_tokens=[10] * n)
+
+    same = compare(side("simulate", ["w0", "w1", "w0"]), side("live", ["w0", "w1", "w0"]), ["w0", "w1"])
+    assert same["live_wall"]["placed_alike"] == 3 and same["live_wall"]["first_apart"] is None
+    apart = compare(side("simulate", ["w0", "w1", "w0", "w1"]), side("live", ["w0", "w0", "w1", "w1"]), ["w0", "w1"])
+    assert apart["live_wall"]["placed_alike"] == 2 and apart["live_wall"]["first_apart"] == 1
+    assert "the first placed apart: #1" in format_comparison(apart)
