@@ -437,6 +437,31 @@ def test_replay_timeout_reports_resync(ctx: Ctx, engine: FakeEngine) -> None:
     sub.close()
 
 
+def test_unanswered_join_replay_is_asked_again_while_the_stream_is_silent(
+    ctx: Ctx, engine: FakeEngine
+) -> None:
+    """An idle worker whose replay socket did not answer the router's first request
+    (still starting, or too busy) becomes visible without publishing anything new."""
+    with engine._lock:
+        engine.ring.update({seq: _payload(seq) for seq in range(3)})  # published before we joined
+        engine.answer = False
+    sub = _subscriber(ctx, engine, replay_timeout_s=0.2)
+    col = Collector(sub.poll)
+    col.until(lambda: sub.statistics().replay_timeouts >= 1)
+    assert col.seqs == [] and sub.timeout_hint_s() is not None  # a retry is scheduled, not forgotten
+    engine.answer = True
+    col.until(lambda: col.seqs == [0, 1, 2])
+    assert not [x for x in col.items if isinstance(x, ResyncNeeded)]
+    assert engine.requests[0] == 0 and set(engine.requests) == {0}  # every request was the join's
+    # Once joined, the live stream goes on from there and nothing more is asked.
+    engine.send(3)
+    col.until(lambda: col.seqs[-1:] == [3])
+    asked = len(engine.requests)
+    col.step(0.3)
+    assert len(engine.requests) == asked and col.seqs == [0, 1, 2, 3]
+    sub.close()
+
+
 def test_no_replay_endpoint(ctx: Ctx, engine: FakeEngine) -> None:
     sub = _subscriber(ctx, engine, replay_endpoint=None)
     col = Collector(sub.poll)

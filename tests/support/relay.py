@@ -120,7 +120,10 @@ class RouterView:
             self.pump()
             return self.sub.last_seq == seq
 
-        wait_until(there, timeout_s, what=f"seq {seq} at router {self.worker}")
+        try:
+            wait_until(there, timeout_s, what=f"seq {seq} at router {self.worker}")
+        except AssertionError as err:  # say which stream and how far it got
+            raise AssertionError(f"{err} from {self.sub.endpoint}: {self.sub.statistics()}") from None
 
     def blocks(self) -> int:
         return self.index.num_blocks(self.worker)

@@ -42,15 +42,17 @@ Joining. ZeroMQ drops what a PUB sends before the SUB connection is up (the
 endpoint, the first ``process_ready`` asks for replay from 0 at once (the
 worker's current state arrives without waiting for its next event), and if
 the first live seq is still not the next one expected, the gap is replayed
-like any other. If the publisher's ring no longer holds seq 0, this is a
+like any other. A join replay nobody answered (the engine still binding its
+replay socket, or too busy to answer in time) is asked again while the stream
+stays silent, backing off from ``replay_timeout_s`` to 30 s, so an idle worker
+does not stay invisible until it next publishes. If the publisher's ring no longer holds seq 0, this is a
 fresh subscription to a long-running publisher: batches are delivered from
 the oldest one the ring still has, and *no* ResyncNeeded is reported for this
 very first connection (the caller starts from an empty view of the worker
 anyway, and reporting a resync every time a router starts would make every
 worker look broken; blocks whose parents precede the ring surface later as
-unknown parents in the index). Without a replay endpoint (or if that first
-replay is not answered) delivery starts at the first seq seen. Later gaps are
-always reported.
+unknown parents in the index). Without a replay endpoint delivery starts at
+the first seq seen. Later gaps are always reported.
 
 Resuming. ``start_seq`` says "I already applied everything before this seq"
 (leader failover in the Redis backend): the subscriber replays from there at
@@ -137,6 +139,8 @@ _MAX_MESSAGES_PER_CALL = 256
 _MAX_SHED_PER_CALL = 100_000
 _TRACKER_WINDOW = 16_384
 _LOG_INTERVAL_S = 10.0
+# A join replay nobody answered is asked again, backing off from replay_timeout_s up to this.
+_JOIN_RETRY_MAX_S = 30.0
 
 
 # --------------------------------------------------------------------- items
@@ -354,6 +358,8 @@ class EventSubscriber:
         self._limiter = RateLimitedLog(logger, _LOG_INTERVAL_S)
         self._closed = False
         self._verify_pending = False
+        self._join_retry_at: float | None = None  # time.monotonic() of the next join replay
+        self._join_backoff_s = replay_timeout_s
 
         self._received = 0
         self._delivered = 0
@@ -421,6 +427,8 @@ class EventSubscriber:
             return 0.0
         if self._replay is not None:
             return max(0.0, self._replay.deadline - time.monotonic())
+        if self._join_retry_at is not None and not self._joined:
+            return max(0.0, self._join_retry_at - time.monotonic())
         return None
 
     def needs_processing(self) -> bool:
@@ -430,7 +438,7 @@ class EventSubscriber:
         if not self._started and self._replay_endpoint is not None:
             return True
         if self._replay is None:
-            return bool(self._held) or self._verify_pending
+            return bool(self._held) or self._verify_pending or self._join_retry_due()
         return time.monotonic() >= self._replay.deadline
 
     def connection_reset(self) -> None:
@@ -473,6 +481,10 @@ class EventSubscriber:
         if not self._started:
             self._started = True
             self._catch_up(out)
+        elif self._replay is None and not self._held and self._join_retry_due():
+            self._join_retry_at = None
+            self._joined = True  # as in _catch_up: live messages are held, then merged
+            self._start_replay(0, ReplayPurpose.JOIN, None, out)
         if self._verify_pending and self._replay is None:
             self._verify_pending = False
             last = self._tracker.last_seq
@@ -695,6 +707,7 @@ class EventSubscriber:
     def _on_first_live(self, message: Message, out: list[SubscriberItem]) -> None:
         """The first message of a stream not joined yet (no catch-up replay answered)."""
         self._joined = True
+        self._join_retry_at = None  # the stream itself now says where to start
         if message.seq == 0:
             self._deliver(message, out)
         elif self._replay_endpoint is not None:
@@ -780,6 +793,12 @@ class EventSubscriber:
         else:
             self._joined = True  # live messages are held, then merged with the replay
             self._start_replay(0, ReplayPurpose.JOIN, None, out)
+
+    def _join_retry_due(self) -> bool:
+        return (
+            not self._joined and self._join_retry_at is not None
+            and time.monotonic() >= self._join_retry_at
+        )
 
     def _start_replay(
         self, start_seq: int, purpose: ReplayPurpose, target_seq: int | None, out: list[SubscriberItem]
@@ -877,6 +896,13 @@ class EventSubscriber:
             # Nothing yet (empty ring, or no answer): the first live seq decides.
             self._joined = False
             self._tracker.reset()
+            if failure is not None and replay.target_seq is None and not self._held:
+                # Unanswered and the stream is silent: ask again later rather than wait for
+                # the worker's next event (an idle worker would stay invisible until then).
+                self._join_retry_at = time.monotonic() + self._join_backoff_s
+                logger.info("kv subscriber worker=%s: join replay unanswered; asking again in %.1fs",
+                            self._worker, self._join_backoff_s)
+                self._join_backoff_s = min(2 * self._join_backoff_s, _JOIN_RETRY_MAX_S)
             return
         self._tracker.jump_to(replay.start_seq)
         for step in plan.steps:
