@@ -11,7 +11,8 @@ router, and through 4 ``engine-sim --timing PROFILE`` processes behind a
 sides share the engine model (``tokenspeed_router/engine_model.py``), so
 what differs is what only the live path does. Prints, and writes to
 ``DIR/results.json``, per-worker request counts, hit ratio and TTFT
-p50/p99 side by side with the tolerances of ``loadgen.parity.Tolerances``
+p50/p99 side by side with the tolerances of ``loadgen.parity.Tolerances``,
+around the range of ``simulate_spread``'s runs (the live path's timing noise)
 (docs/compare-routers.md#simulate-against-the-live-gateway says why).
 Exit status 1 when a comparison is out of tolerance.
 """
@@ -34,6 +35,7 @@ from tokenspeed_router.loadgen.parity import (
     live_side,
     prepare,
     simulate_side,
+    simulate_spread,
 )
 from tokenspeed_router.loadgen.prompts import scale_prompts
 from tokenspeed_router.sim.report import write_results
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             slice_ = prepare(requests, setup)
             sim = simulate_side(slice_, setup)
             live = live_side(slice_, setup, log_root / trace / profile)
-            result = compare(sim, live, setup.worker_names(), tol)
+            result = compare(sim, live, setup.worker_names(), tol, spread=simulate_spread(slice_, setup))
             all_ok &= bool(result["ok"])
             print(f"\n{trace} / {profile}: {len(slice_)} requests, "
                   f"{trace_summary(slice_)['span_s']:.0f} s modelled")

@@ -209,7 +209,8 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def clock_scaled_router_flags(time_scale: float) -> list[str]:
+def clock_scaled_router_flags(time_scale: float, *, prefill_tokens_per_s: float = 10_000.0,
+                              prefill_overhead_s: float = 0.020) -> list[str]:
     """``serve`` flags that scale the router's time constants like the engines' clock.
 
     Engines run ``time_scale`` times faster than modelled; the router's memory
@@ -219,7 +220,9 @@ def clock_scaled_router_flags(time_scale: float) -> list[str]:
     would span 2 modelled minutes and outlive cache turnover, which is not
     what the defaults do at real speed. Cost model v2's prior prefill rate
     and overhead, and its prediction grace, scale alike (a rate per wall
-    second is K times the modelled one).
+    second is K times the modelled one). The prior is the shipped default
+    (``RouterConfig``: 10k tokens/s, 20 ms) unless the caller passes the
+    engines' modelled speed, as an operator who knows it would configure.
     """
     k = float(time_scale)
     if k <= 0:
@@ -228,8 +231,8 @@ def clock_scaled_router_flags(time_scale: float) -> list[str]:
     return ["--router-option", f"predict_on_route_ttl_s={15.0 / k:g}",
             "--router-option", f"approx_ttl_s={120.0 / k:g}",
             "--router-option", f"prediction_grace_s={1.0 / k:g}",
-            "--router-option", f"prefill_overhead_s={0.020 / k:g}",
-            "--router-option", f"prefill_tokens_per_s={10_000.0 * k:g}"]
+            "--router-option", f"prefill_overhead_s={prefill_overhead_s / k:g}",
+            "--router-option", f"prefill_tokens_per_s={prefill_tokens_per_s * k:g}"]
 
 
 @dataclass(frozen=True)

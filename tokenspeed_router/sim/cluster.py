@@ -122,6 +122,8 @@ class ClusterConfig:
     eviction_policy: str = "lru"
     cost: CostModel = field(default_factory=CostModel)
     event_delay_s: float = 0.0
+    #: how long after the engine's first token the router hears of it (a gateway's streaming hop)
+    first_token_delay_s: float = 0.0
     event_loss_rate: float = 0.0
     seed: int = 0
     token_key: int = 0
@@ -143,6 +145,8 @@ class ClusterConfig:
             raise ConfigError("page_size must be > 0 and capacity_tokens >= page_size")
         if self.event_delay_s < 0 or not 0.0 <= self.event_loss_rate < 1.0:
             raise ConfigError("event_delay_s must be >= 0 and event_loss_rate in [0, 1)")
+        if not self.first_token_delay_s >= 0:
+            raise ConfigError("first_token_delay_s must be >= 0")
 
     @property
     def disaggregated(self) -> bool:
@@ -486,7 +490,7 @@ class Simulator:
             self._push(first_token, _ADMIT, (dec, r.prompt))
             self._push(first_token + self._output[i] * cost.decode_s_per_token, _FINISH, r.request_id)
         self._ttft[i] = first_token - r.arrival_s
-        self._push(t, _PREFILL_DONE, r.request_id)
+        self._push(t + self.config.first_token_delay_s, _PREFILL_DONE, r.request_id)
 
     def _request_done(self, r: ModelRequest, t: float) -> None:
         if not r.prefill_only:
