@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tokenspeed_router.loadgen.parity import (
@@ -11,6 +13,7 @@ from tokenspeed_router.loadgen.parity import (
     format_comparison,
     prepare,
     simulate_side,
+    simulate_spread,
     warm_up_requests,
 )
 from tokenspeed_router.sim.traces import TraceRequest
@@ -78,3 +81,18 @@ def test_worker_shares_are_compared_by_shape_not_by_name() -> None:
     assert row["ok"] and row["diff"] == 0.0 and row["named_diff"] == 0.5
     lopsided = compare(sim, side("live", ["w0"] * 40), ["w0", "w1"])["rows"]["requests_per_worker"]
     assert not lopsided["ok"] and lopsided["diff"] == 0.25
+
+
+def test_the_spread_reports_each_request_in_the_slice_order() -> None:
+    """Runs with late arrivals give one outcome per request of the slice, in its order."""
+    requests = _slice()
+    setup = ParitySetup(num_workers=2, capacity_tokens=4000, warm_up_requests=2, spread_runs=3)
+    exact = simulate_side(requests, setup)
+    runs = simulate_spread(requests, setup)
+    assert len(runs) == 3
+    for run in runs:
+        assert run.prompt_tokens == exact.prompt_tokens  # request i is request i, whatever its new arrival
+        assert len(run.workers) == len(requests) and all(w in {"w0", "w1"} for w in run.workers)
+    unmoved = simulate_spread(requests, dataclasses.replace(setup, spread_delay_wall_s=0.0))
+    assert all(r.workers == exact.workers and r.ttft_s == exact.ttft_s for r in unmoved)
+    assert simulate_spread(requests, dataclasses.replace(setup, spread_runs=0)) == []

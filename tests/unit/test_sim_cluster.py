@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.events.schema import Event
 from tokenspeed_router.sim import cli_simulate
-from tokenspeed_router.sim.cluster import ClusterConfig, CostModel, Simulator
+from tokenspeed_router.sim.cluster import ClusterConfig, CostModel, RouteChoice, Simulator
 from tokenspeed_router.sim.policies import OracleBackend, RouterBackend
 from tokenspeed_router.sim.report import POLICY_ORDER, policy_metrics
 from tokenspeed_router.sim.runner import run_policies, run_policy
@@ -165,3 +167,42 @@ def test_simulate_cli_accepts_the_synthetic_generator(tmp_path: Path, capsys: py
     assert cli_simulate.run(args) == 0
     table = capsys.readouterr().out
     assert "\nround_robin " in table and "\nkv_aware " in table and "\noracle " not in table
+
+
+class _Recorder:
+    """A backend that sends everything to w0 and writes down when it hears of each first token."""
+
+    name = "recorder"
+    needs_events = False
+
+    def __init__(self) -> None:
+        self.heard: dict[str, float] = {}
+
+    def route(self, request: TraceRequest, tokens: np.ndarray) -> RouteChoice:
+        return RouteChoice("w0")
+
+    def deliver(self, worker: str, seq: int, events: list[Event], now: float) -> None:
+        return None
+
+    def prefill_done(self, request_id: str, now: float) -> None:
+        self.heard[request_id] = now
+
+    def finished(self, request_id: str, now: float) -> None:
+        return None
+
+
+def test_first_token_delay_is_what_the_router_hears_not_the_ttft() -> None:
+    """``first_token_delay_s``: the router hears of a first token that much later (a gateway's
+    streaming hop); the engine's TTFT is unchanged."""
+    runs, heard = [], []
+    for delay in (0.0, 0.25):
+        backend = _Recorder()
+        cluster = ClusterConfig(num_workers=1, capacity_tokens=4096, page_size=16, first_token_delay_s=delay,
+                                cost=TINY_CLUSTER.cost)
+        runs.append(Simulator(cluster).run(TINY, backend))
+        heard.append(backend.heard)
+    assert runs[0].ttft_s.tolist() == pytest.approx(runs[1].ttft_s.tolist())
+    assert heard[1].keys() == heard[0].keys() == {r.request_id for r in TINY}
+    assert all(heard[1][k] == pytest.approx(heard[0][k] + 0.25) for k in heard[0])
+    with pytest.raises(ConfigError):
+        ClusterConfig(first_token_delay_s=-1.0)
