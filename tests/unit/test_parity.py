@@ -26,6 +26,11 @@ def _slice() -> list[TraceRequest]:
     return prepare(workload, ParitySetup(num_workers=2))
 
 
+def _side(name: str, workers: list[str | None]) -> SideResult:
+    n = len(workers)
+    return SideResult(name=name, workers=workers, ttft_s=[0.1] * n, cached_tokens=[0] * n, prompt_tokens=[10] * n)
+
+
 def test_warm_up_comes_first_shares_no_block_and_shifts_the_slice() -> None:
     requests = _slice()
     setup = ParitySetup(num_workers=2, warm_up_requests=5, warm_up_gap_s=0.25)
@@ -58,28 +63,20 @@ def test_warm_up_settings_are_checked() -> None:
 
 
 def test_compare_reports_requests_placed_alike() -> None:
-    def side(name: str, workers: list[str | None]) -> SideResult:
-        n = len(workers)
-        return SideResult(name=name, workers=workers, ttft_s=[0.1] * n, cached_tokens=[0] * n, prompt_tokens=[10] * n)
-
-    same = compare(side("simulate", ["w0", "w1", "w0"]), side("live", ["w0", "w1", "w0"]), ["w0", "w1"])
+    same = compare(_side("simulate", ["w0", "w1", "w0"]), _side("live", ["w0", "w1", "w0"]), ["w0", "w1"])
     assert same["live_wall"]["placed_alike"] == 3 and same["live_wall"]["first_apart"] is None
-    apart = compare(side("simulate", ["w0", "w1", "w0", "w1"]), side("live", ["w0", "w0", "w1", "w1"]), ["w0", "w1"])
+    apart = compare(_side("simulate", ["w0", "w1", "w0", "w1"]), _side("live", ["w0", "w0", "w1", "w1"]), ["w0", "w1"])
     assert apart["live_wall"]["placed_alike"] == 2 and apart["live_wall"]["first_apart"] == 1
     assert "the first placed apart: #1" in format_comparison(apart)
 
 
 def test_worker_shares_are_compared_by_shape_not_by_name() -> None:
     """Two runs that put the same load on swapped engines agree; a lopsided one does not."""
-    def side(name: str, workers: list[str | None]) -> SideResult:
-        n = len(workers)
-        return SideResult(name=name, workers=workers, ttft_s=[0.1] * n, cached_tokens=[0] * n, prompt_tokens=[10] * n)
-
-    sim = side("simulate", ["w0"] * 30 + ["w1"] * 10)
-    swapped = compare(sim, side("live", ["w1"] * 30 + ["w0"] * 10), ["w0", "w1"])
+    sim = _side("simulate", ["w0"] * 30 + ["w1"] * 10)
+    swapped = compare(sim, _side("live", ["w1"] * 30 + ["w0"] * 10), ["w0", "w1"])
     row = swapped["rows"]["requests_per_worker"]
     assert row["ok"] and row["diff"] == 0.0 and row["named_diff"] == 0.5
-    lopsided = compare(sim, side("live", ["w0"] * 40), ["w0", "w1"])["rows"]["requests_per_worker"]
+    lopsided = compare(sim, _side("live", ["w0"] * 40), ["w0", "w1"])["rows"]["requests_per_worker"]
     assert not lopsided["ok"] and lopsided["diff"] == 0.25
 
 

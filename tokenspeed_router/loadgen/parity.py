@@ -134,6 +134,24 @@ class SideResult:
     client_ttft_s: list[float | None] = dataclasses.field(default_factory=list)
     router_added_s: list[float | None] = dataclasses.field(default_factory=list)
 
+    def select(self, indices: Sequence[int]) -> SideResult:
+        """The outcomes of ``indices`` only, in that order (every per-request list alike)."""
+        def pick(values: list[Any]) -> list[Any]:
+            return [values[i] for i in indices] if values else []
+
+        return replace(self, workers=pick(self.workers), ttft_s=pick(self.ttft_s),
+                       cached_tokens=pick(self.cached_tokens), prompt_tokens=pick(self.prompt_tokens),
+                       client_ttft_s=pick(self.client_ttft_s), router_added_s=pick(self.router_added_s))
+
+    def placed(self) -> int:
+        """Requests that reached a worker (at least 1: a share's denominator)."""
+        return max(1, sum(1 for w in self.workers if w is not None))
+
+    def shape(self, names: Sequence[str]) -> list[float]:
+        """Workers' shares of the requests, smallest first (which worker had which share left out)."""
+        counts = self.per_worker(names)
+        return sorted(counts[w] / self.placed() for w in names)
+
     def per_worker(self, names: Sequence[str]) -> dict[str, int]:
         counts = Counter({n: 0 for n in names})
         counts.update(w for w in self.workers if w is not None)
@@ -182,14 +200,6 @@ def warm_up_requests(requests: Sequence[TraceRequest], setup: ParitySetup) -> li
     return warm + [replace(r, arrival_s=r.arrival_s + offset) for r in requests]
 
 
-def _trim(side: SideResult, skip: int) -> SideResult:
-    """``side`` without its first ``skip`` (warm-up) requests."""
-    return replace(side, workers=side.workers[skip:], ttft_s=side.ttft_s[skip:],
-                   cached_tokens=side.cached_tokens[skip:], prompt_tokens=side.prompt_tokens[skip:],
-                   client_ttft_s=side.client_ttft_s[skip:],
-                   router_added_s=side.router_added_s[skip:])
-
-
 def simulate_side(requests: Sequence[TraceRequest], setup: ParitySetup) -> SideResult:
     """The slice through ``simulate``'s engine model and the in-process router (after the warm-up)."""
     t = setup.timing_model()
@@ -207,13 +217,14 @@ def simulate_side(requests: Sequence[TraceRequest], setup: ParitySetup) -> SideR
     replayed = warm_up_requests(requests, setup)
     run = sim.run(replayed, backend)
     names = run.worker_names
-    return _trim(SideResult(
+    warm = len(replayed) - len(requests)
+    return SideResult(
         name="simulate",
         workers=[names[i] for i in run.worker_index.tolist()],
         ttft_s=[float(x) for x in run.ttft_s.tolist()],
         cached_tokens=[int(x) for x in run.hit_tokens.tolist()],
         prompt_tokens=[int(x) for x in run.input_tokens.tolist()],
-    ), len(replayed) - len(requests))
+    ).select(range(warm, len(replayed)))
 
 
 def simulate_spread(requests: Sequence[TraceRequest], setup: ParitySetup) -> list[SideResult]:
@@ -237,9 +248,7 @@ def simulate_spread(requests: Sequence[TraceRequest], setup: ParitySetup) -> lis
         back = [0] * len(order)  # the outcomes in the slice's own order, as live reports them
         for pos, i in enumerate(order):
             back[i] = pos
-        runs.append(replace(side, workers=[side.workers[j] for j in back], ttft_s=[side.ttft_s[j] for j in back],
-                            cached_tokens=[side.cached_tokens[j] for j in back],
-                            prompt_tokens=[side.prompt_tokens[j] for j in back]))
+        runs.append(side.select(back))
     return runs
 
 
@@ -266,7 +275,8 @@ def live_side(requests: Sequence[TraceRequest], setup: ParitySetup, log_dir: Pat
         url = fleet.start_gateway("gateway", engines, policy=setup.policy, extra=extra)
         outcome = replay(paced, builder, ReplayConfig(target=url))
     records = outcome.records
-    return _trim(SideResult(
+    warm = len(replayed) - len(requests)
+    return SideResult(
         name="live",
         workers=[r.worker if r.ok else None for r in records],
         ttft_s=[r.engine_modelled_ttft_s if r.ok else None for r in records],
@@ -275,7 +285,7 @@ def live_side(requests: Sequence[TraceRequest], setup: ParitySetup, log_dir: Pat
         errors=sum(1 for r in records if not r.ok),
         client_ttft_s=[r.ttft_s * k if r.ok and r.ttft_s is not None else None for r in records],
         router_added_s=[r.router_added_s if r.ok else None for r in records],
-    ), len(replayed) - len(requests))
+    ).select(range(warm, len(replayed)))
 
 
 @dataclass(frozen=True)
@@ -321,14 +331,13 @@ def compare(sim: SideResult, live: SideResult, names: Sequence[str],
     way, the simulator predicts a range, and one live run is one draw from it.
     """
     runs = [sim, *spread]
-    n_live = max(1, sum(1 for w in live.workers if w is not None))
     sim_counts, live_counts = sim.per_worker(names), live.per_worker(names)
-    live_shape = _shape(live_counts, n_live, names)
+    n_sim, n_live = sim.placed(), live.placed()
     # The load's shape, not the workers' names: once two runs part at a near-tie, which of two
     # idle engines took a prefix group is a coin flip with no bearing on the result.
-    share_diff = min(max((abs(a - b) for a, b in zip(_shape(r.per_worker(names), _placed(r), names), live_shape,
-                                                     strict=True)), default=0.0) for r in runs)
-    n_sim = _placed(sim)
+    live_shape = live.shape(names)
+    share_diff = min(max((abs(a - b) for a, b in zip(r.shape(names), live_shape, strict=True)), default=0.0)
+                     for r in runs)
     named_diff = max((abs(sim_counts[w] / n_sim - live_counts[w] / n_live) for w in names), default=0.0)
     p = 1.0 / max(1, len(names))
     share_allowed = max(tol.worker_share, tol.share_sigmas * math.sqrt(2 * p * (1 - p) / n_sim))
@@ -364,15 +373,6 @@ def compare(sim: SideResult, live: SideResult, names: Sequence[str],
     rows["errors"] = {"simulate": sim.errors, "live": live.errors, "diff": live.errors, "tolerance": 0,
                       "ok": live.errors == 0}
     return {"rows": rows, "ok": all(r["ok"] for r in rows.values()), "live_wall": info}
-
-
-def _placed(side: SideResult) -> int:
-    return max(1, sum(1 for w in side.workers if w is not None))
-
-
-def _shape(counts: dict[str, int], n: int, names: Sequence[str]) -> list[float]:
-    """Workers' shares of the requests, smallest first (which worker had which share left out)."""
-    return sorted(counts[w] / n for w in names)
 
 
 def format_comparison(result: dict[str, Any]) -> str:
