@@ -35,6 +35,7 @@ from typing import IO, Any
 
 from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.errors import TokenspeedError
+from tokenspeed_router.router.router import RouterConfig
 
 __all__ = [
     "EngineHandle",
@@ -209,8 +210,9 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def clock_scaled_router_flags(time_scale: float, *, prefill_tokens_per_s: float = 10_000.0,
-                              prefill_overhead_s: float = 0.020) -> list[str]:
+def clock_scaled_router_flags(time_scale: float, *,
+                              prefill_tokens_per_s: float = RouterConfig.prefill_tokens_per_s,
+                              prefill_overhead_s: float = RouterConfig.prefill_overhead_s) -> list[str]:
     """``serve`` flags that scale the router's time constants like the engines' clock.
 
     Engines run ``time_scale`` times faster than modelled; the router's memory
@@ -227,10 +229,10 @@ def clock_scaled_router_flags(time_scale: float, *, prefill_tokens_per_s: float 
     k = float(time_scale)
     if k <= 0:
         return []
-    # cost model v2's priors and grace are in the router's clock too (RouterConfig defaults)
-    return ["--router-option", f"predict_on_route_ttl_s={15.0 / k:g}",
-            "--router-option", f"approx_ttl_s={120.0 / k:g}",
-            "--router-option", f"prediction_grace_s={1.0 / k:g}",
+    # cost model v2's priors and grace are in the router's clock too
+    return ["--router-option", f"predict_on_route_ttl_s={RouterConfig.predict_on_route_ttl_s / k:g}",
+            "--router-option", f"approx_ttl_s={RouterConfig.approx_ttl_s / k:g}",
+            "--router-option", f"prediction_grace_s={RouterConfig.prediction_grace_s / k:g}",
             "--router-option", f"prefill_overhead_s={prefill_overhead_s / k:g}",
             "--router-option", f"prefill_tokens_per_s={prefill_tokens_per_s * k:g}"]
 
