@@ -427,7 +427,7 @@ class EventSubscriber:
             return 0.0
         if self._replay is not None:
             return max(0.0, self._replay.deadline - time.monotonic())
-        if self._join_retry_at is not None and not self._joined:
+        if self._join_retry_at is not None and not self._joined:  # a join replay is due then
             return max(0.0, self._join_retry_at - time.monotonic())
         return None
 
@@ -483,8 +483,7 @@ class EventSubscriber:
             self._catch_up(out)
         elif self._replay is None and not self._held and self._join_retry_due():
             self._join_retry_at = None
-            self._joined = True  # as in _catch_up: live messages are held, then merged
-            self._start_replay(0, ReplayPurpose.JOIN, None, out)
+            self._start_join(out)
         if self._verify_pending and self._replay is None:
             self._verify_pending = False
             last = self._tracker.last_seq
@@ -791,8 +790,12 @@ class EventSubscriber:
         if self._start_seq is not None:
             self._start_replay(self._start_seq, ReplayPurpose.RESUME, None, out)
         else:
-            self._joined = True  # live messages are held, then merged with the replay
-            self._start_replay(0, ReplayPurpose.JOIN, None, out)
+            self._start_join(out)
+
+    def _start_join(self, out: list[SubscriberItem]) -> None:
+        """Ask for everything from seq 0; live messages are held meanwhile, then merged."""
+        self._joined = True
+        self._start_replay(0, ReplayPurpose.JOIN, None, out)
 
     def _join_retry_due(self) -> bool:
         return (
