@@ -41,7 +41,8 @@ def main() -> int:
                 block_hashes=list[BlockHash](block_hashes(docs[i], BLOCK)), parent_block_hash=None,
                 token_ids=docs[i], block_size=BLOCK)]))
         with ZmqRouterClient(zmq_api, auth_token=TOKEN, timeout_s=5) as client:
-            while len(client.match(docs[2])["scores"]) < 1:
+            # every worker's events applied (each stream is its own; one arriving says nothing of the others)
+            while any(client.match(doc)["scores"].get(f"w{i}") != len(doc) // BLOCK for i, doc in docs.items()):
                 threading.Event().wait(0.01)
             n = 1000
             t0 = time.perf_counter()
