@@ -793,8 +793,8 @@ def _interleaved_junk(seeds: list[list[bytes]]) -> Callable[[list[bytes], random
     the good batch's place), 0 (a "new process") or one ahead (a false gap);
     its payload is a mutated capture frame or one of the malformed classes of
     issue 28 (undecodable, not a batch, unknown tags, wrong types, a negative
-    block size, 100,000 hashes for one token, a 4 G array header, an empty
-    batch, random bytes). A mutant that still decodes to a batch with events
+    block size, 100,000 hashes for one token, a 4 G array header, random
+    bytes). A mutant that still decodes to a batch with events
     is not a bad frame (a bit flip in a token id makes another valid batch)
     and is not sent: a valid batch is data, and under a reused seq it is a
     restart by definition (DESIGN §3); only what fails to decode or validate,
@@ -802,6 +802,7 @@ def _interleaved_junk(seeds: list[list[bytes]]) -> Callable[[list[bytes], random
     """
     from tokenspeed_router.errors import WireError
     from tokenspeed_router.events import BatchDecoder
+    from tokenspeed_router.events.codec import only_unknown_events
     from tokenspeed_router.events.frames import decode_seq
 
     classes = _bad_payload_classes()
@@ -809,7 +810,7 @@ def _interleaved_junk(seeds: list[list[bytes]]) -> Callable[[list[bytes], random
 
     def is_bad(payload: bytes) -> bool:
         try:
-            return not decoder.decode(payload).events
+            return only_unknown_events(decoder.decode(payload), payload)
         except WireError:
             return True
 
@@ -839,7 +840,7 @@ def _bad_payload_classes() -> list[bytes]:
               "token_ids": list(range(BLOCK)), "block_size": BLOCK}
     head = b"\x93\xcb" + struct.pack(">d", 1.0)  # [1.0, ...
     return [
-        b"\xc1\xc1", enc.encode({"ts": 1.0}), enc.encode("BlockStored"), enc.encode([1.0, []]),
+        b"\xc1\xc1", enc.encode({"ts": 1.0}), enc.encode("BlockStored"),
         enc.encode([1.0, [{"type": "BlockMoved", "block_hashes": [1]}]]),
         enc.encode([1.0, [["KVCacheOffloaded", [1], "CPU"]]]),
         enc.encode([1.0, [{**stored, "block_hashes": ["a"]}]]),

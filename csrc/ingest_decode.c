@@ -713,8 +713,7 @@ PyObject *raw_apply(Core *c, int s, const void *data, Py_ssize_t len, long bs, u
 }
 
 /* scan_batch(payload) -> the batch timestamp when apply_raw could take it whole
- * (the structure and the checks of the typed decoder, on the fast subset) and it
- * holds at least one event, else None. */
+ * (the structure and the checks of the typed decoder, on the fast subset), else None. */
 PyObject *mod_scan_batch(PyObject *m, PyObject *arg) {
     Py_buffer buf;
     if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0) return NULL;
@@ -729,11 +728,9 @@ PyObject *mod_scan_batch(PyObject *m, PyObject *arg) {
         rc = plan_read(buf.buf, (size_t)buf.len, &pl);
     }
     double ts = pl.ts;
-    Py_ssize_t nev = pl.nev;
     plan_free(&pl);
     PyBuffer_Release(&buf);
     if (rc == RAW_NOMEM) return PyErr_NoMemory();
-    /* a batch with no event moves no sequence state: the typed path decides what it is */
-    if (rc != RAW_OK || nev == 0) Py_RETURN_NONE;
+    if (rc != RAW_OK) Py_RETURN_NONE;
     return PyFloat_FromDouble(ts);
 }

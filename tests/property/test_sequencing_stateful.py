@@ -49,7 +49,7 @@ from tokenspeed_router.router.ingest import IndexIngestor
 RECOVERY_BATCHES = 8
 MAX_BLOCKS = 4
 _BAD_NAMES = sorted(BAD_PAYLOADS)
-_FILLERS = {"empty_batch", "unknown_tag_map", "unknown_tag_array"}
+_FILLERS = {"unknown_tag_map", "unknown_tag_array"}
 
 
 # ------------------------------------------------------------------ the model

@@ -44,7 +44,6 @@ BAD_PAYLOADS: dict[str, bytes] = {
     "not_a_batch_map": _enc.encode({"ts": 1.0, "events": []}),
     "not_a_batch_str": _enc.encode("BlockStored"),
     "not_a_batch_int": _enc.encode(12345),
-    "empty_batch": _enc.encode([1.0, []]),
     "unknown_tag_map": _enc.encode([1.0, [{"type": "BlockMoved", "block_hashes": [1]}]]),
     "unknown_tag_array": _enc.encode([1.0, [["KVCacheOffloaded", [1, 2], "CPU"]]]),
     "wrong_types_hashes": _enc.encode([1.0, [_stored_map(block_hashes=["a", "b"])]]),
@@ -73,7 +72,7 @@ def bad_frames(topic: bytes, seq: int) -> list[list[bytes]]:
         [topic],
         [topic, good_seq],
         [topic, good_seq, b"x", b"extra"],
-        [topic, good_seq[:3], BAD_PAYLOADS["empty_batch"]],
+        [topic, good_seq[:3], _enc.encode([1.0, []])],
         [topic, b"", b"\x92\xcb\x00\x00\x00\x00\x00\x00\x00\x00\x90"],
         [topic, good_seq + b"\x00", b"\x90"],
     ]

@@ -27,16 +27,18 @@ Batches that cannot move the state. Only a batch that decoded and
 validated is ever observed: the callers (the subscriber, log replay) count and
 skip anything else *before* it reaches this module, whatever its seq says, so a
 malformed frame can neither declare a gap nor fake a restart. A well-formed
-batch that carries no event this router knows (an empty event list, or only
-tags of a newer engine) is no evidence either: it is noted as a *filler*
+batch whose every event is of a kind this router does not know (a newer
+engine's, or a stray frame's; ``codec.only_unknown_events``) is no evidence
+either: it is noted as a *filler*
 (:meth:`SequenceTracker.note_filler`) and changes nothing by itself. A gap
 made only of filler seqs is flagged ``covered``: with nothing to replay it
 from (log replay, a stream without a replay endpoint) it is no loss -- the
 engine did publish those batches, we had nothing to apply from them -- while
 a subscriber that can replay still asks, so that a real batch lost under a
-seq some stray frame also used is still fetched. So a stray empty batch under
-the last seq is not a restart, and a newer engine's batch of unknown kinds is
-not a loss.
+seq some stray frame also used is still fetched. So a stray batch of unknown
+kinds under the last seq is not a restart, and a newer engine's is not a
+loss. A batch with no event at all is an ordinary batch (tools publish them
+as probes; a restarted publisher's may reuse a seq).
 
 Complexity: O(1) per observation (a gap walks its filler seqs); memory O(window).
 """

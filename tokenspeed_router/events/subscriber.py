@@ -64,8 +64,8 @@ the decoder rejects (undecodable, not a batch, an event that does not
 validate) is counted by reason (:meth:`statistics`), logged at most once per
 reason per interval, and skipped *before* its seq is looked at: whatever seq
 it carries, it cannot declare a gap, fake a restart or count as a duplicate.
-A well-formed batch with no event we know is skipped too and only noted as a
-filler seq (``sequencing.py``). Only the batch decoder's :class:`WireError` is
+A well-formed batch whose every event is of a kind we do not know is skipped
+too and only noted as a filler seq (``sequencing.py``). Only the batch decoder's :class:`WireError` is
 expected there; nothing malformed stops the stream or changes what is
 delivered.
 
@@ -91,7 +91,7 @@ from types import MappingProxyType, TracebackType
 import zmq
 
 from tokenspeed_router.errors import WireError
-from tokenspeed_router.events.codec import BatchDecoder, decode_batch
+from tokenspeed_router.events.codec import BatchDecoder, decode_batch, only_unknown_events
 from tokenspeed_router.events.curve import CurveClientKeys
 from tokenspeed_router.events.frames import (
     END_SEQ,
@@ -679,12 +679,12 @@ class EventSubscriber:
             except WireError as err:
                 self._malformed_frame("payload_decode", "%s", err)
                 return None
-            if not batch.events:
+            if only_unknown_events(batch, payload):
                 # Nothing to apply: no evidence of a restart or a gap either (sequencing.py).
                 self._tracker.note_filler(seq)
                 self._malformed_frame(
-                    "no_known_events", "batch seq %d carries no event this router knows "
-                    "(%d of unknown kinds); skipped, it moves nothing",
+                    "no_known_events", "batch seq %d carries only events of kinds this router does "
+                    "not know (%d); skipped, it moves nothing",
                     seq, self._decoder.unknown_events - unknown_before,
                 )
                 return None

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenspeed_router.errors import IndexConsistencyError, WireError
+from tokenspeed_router.events.codec import only_unknown_events
 from tokenspeed_router.events.schema import AllBlocksCleared, BlockStored, KVEventBatch
 from tokenspeed_router.events.sequencing import SequenceTracker, VerdictKind
 from tokenspeed_router.events.subscriber import (
@@ -125,7 +126,8 @@ class WorkerStatus:
     restarts: int
     state_since_s: float
     batches_skipped: int = 0
-    """Recorded batches with no event to apply (log replay; the live path counts them in the subscriber)."""
+    """Recorded batches whose events were all of unknown kinds (log replay; the live path
+    counts them in the subscriber)."""
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form."""
@@ -278,13 +280,13 @@ class IndexIngestor:
         (skipped). Pass the raw ``payload`` when available: it lets a lower seq
         with identical bytes count as a duplicate rather than a restart. The
         caller decodes and validates ``batch`` (a record that does not decode
-        never comes here); one with no event moves nothing (counted in
-        ``batches_skipped``), as on the live path.
+        never comes here); one whose events were all of unknown kinds moves
+        nothing (counted in ``batches_skipped``), as on the live path.
         """
         t = self._track(worker)
         if t.tracker is None:
             t.tracker = SequenceTracker()
-        if not batch.events:
+        if only_unknown_events(batch, payload):
             # Nothing to apply is no evidence of a restart or a gap (events/sequencing.py).
             t.tracker.note_filler(seq)
             t.batches_skipped += 1
