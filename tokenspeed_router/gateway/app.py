@@ -30,6 +30,7 @@ from tokenspeed_router.auth import check_bearer
 from tokenspeed_router.errors import RouterApiError, TokenspeedError
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.gateway.explain import EXPLAIN_HEADER, explain_requested
+from tokenspeed_router.gateway.host import GatewayHost
 from tokenspeed_router.gateway.openai import (
     OpenAIError,
     ParsedRequest,
@@ -49,12 +50,11 @@ logger = logging.getLogger(__name__)
 class Gateway:
     """The OpenAI-compatible front of one :class:`RouterService`."""
 
-    def __init__(self, service: Any, config: GatewayConfig) -> None:
+    def __init__(self, service: GatewayHost, config: GatewayConfig) -> None:
         self._service = service
         self.config = config
         self.upstreams = Upstreams(service, config)
-        self.truth = TruthLoop(config.truth_window, service.set_distrusted,
-                               on_trust=getattr(service, "set_trust", None))
+        self.truth = TruthLoop(config.truth_window, service.set_distrusted, on_trust=service.set_trust)
         #: the ``--tokenizer`` choice; ``POST /doctor/expect`` answers with it too
         self.tokenizer = load_tokenizer(config.tokenizer, self.upstreams.client)
         self.proxy = Proxy(service, config, self.upstreams, self.tokenizer, self.truth)

@@ -46,7 +46,8 @@ import msgspec
 from tokenspeed_router.errors import ConfigError, TokenspeedError, WireError
 from tokenspeed_router.events.codec import BatchDecoder
 from tokenspeed_router.events.records import LogRecord
-from tokenspeed_router.router.router import Router, RouterConfig, WorkerRole
+from tokenspeed_router.router.core import RoutingCore
+from tokenspeed_router.router.router import RouterConfig, WorkerRole
 from tokenspeed_router.router.scoring import PrefixIndex, WorkerLoad
 from tokenspeed_router.server.decision_log import LoggedDecision
 
@@ -161,7 +162,7 @@ def _role(pools: set[str]) -> WorkerRole:
 
 
 class Redecider:
-    """A real :class:`Router` deciding logged decisions again (see the module docstring).
+    """The routing core deciding logged decisions again (see the module docstring).
 
     ``index``: the rebuilt event index (``replay``), or None to use the
     logged credits (``simulate``).
@@ -174,10 +175,11 @@ class Redecider:
         self._now = 0.0
         self._members: dict[str, tuple[WorkerRole, bool, bool]] = {}
         self.config = config
-        self.router = Router(
-            index if index is not None else self._logged, config,
-            clock=lambda: self._now, load_provider=self._loads.get,
+        self.core = RoutingCore(
+            config, clock=lambda: self._now, load_provider=self._loads.get,
+            match_view=index if index is not None else self._logged,
         )
+        self.router = self.core.router
         self._serial = 0
 
     @property
@@ -196,9 +198,9 @@ class Redecider:
         self._serial += 1
         rid = f"redecide-{self._serial}"
         try:
-            again = self.router.route(tokens, request_id=rid, lora_id=d.lora_id, salt=d.salt, explain=True)
+            again = self.core.route(tokens, request_id=rid, lora_id=d.lora_id, salt=d.salt, explain=True)
         finally:
-            self.router.release(rid)
+            self.core.release(rid)
         explanation = again.explanation
         assert explanation is not None
         pool = "prefill" if again.prefill_worker is not None else None
@@ -221,7 +223,7 @@ class Redecider:
         )
 
     def _membership(self, d: LoggedDecision) -> None:
-        router = self.router
+        core = self.core
         pools: dict[str, set[str]] = {}
         loads: dict[str, WorkerLoad] = {}
         cold: dict[str, bool] = {}
@@ -238,14 +240,14 @@ class Redecider:
                 cold[name] = bool(c.get("cold"))
                 # in a replay a worker without events (approx credits) is remembered, not indexed
                 events[name] = self._logged is not None or c.get("credit_source") != "approx"
-        for name in [n for n in router.workers() if n not in pools]:
-            router.remove_worker(name)
+        for name in [n for n in core.router.workers() if n not in pools]:
+            core.router.remove_worker(name)  # routing only: a replay's index keeps its entries
             self._members.pop(name, None)
         for name, in_pools in pools.items():
             member = (_role(in_pools), events[name], cold[name])
             if self._members.get(name) != member:
-                router.add_worker(name, member[0], events=member[1])
-                router.set_cold(name, member[2])
+                core.add_worker(name, member[0], events=member[1])
+                core.set_distrusted(name, member[2])  # routed on load alone, as the live router did
                 self._members[name] = member
         self._loads.clear()
         self._loads.update(loads)
