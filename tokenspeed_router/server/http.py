@@ -63,6 +63,7 @@ from tokenspeed_router.server.gc_policy import GcCollector
 from tokenspeed_router.server.http_protocol import http_protocol
 from tokenspeed_router.server.loop_lag import LoopLag, LoopLagCollector
 from tokenspeed_router.server.metrics import CONTENT_TYPE
+from tokenspeed_router.server.openapi import openapi_json
 
 __all__ = ["HttpServer", "create_app"]
 
@@ -139,6 +140,16 @@ class _Endpoint:
             await send_response(send, 200, _json.encode(result))
 
 
+class _ByMethod:
+    """One ASGI endpoint answering each method with its own (Starlette has checked the method)."""
+
+    def __init__(self, **endpoints: _Endpoint) -> None:
+        self._endpoints = endpoints
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._endpoints[scope["method"]](scope, receive, send)
+
+
 def create_app(service: RouterService) -> Starlette:
     """The Starlette application serving ``service``: DESIGN §6 routes and the §10 gateway."""
     limits = service.config.limits
@@ -177,6 +188,11 @@ def create_app(service: RouterService) -> Starlette:
     async def metrics(scope: Scope, body: bytes) -> Any:
         return _Reply(200, service.metrics_text(), CONTENT_TYPE.encode())
 
+    document = openapi_json()  # built once: it depends on the code only
+
+    async def openapi(scope: Scope, body: bytes) -> Any:
+        return _Reply(200, document)
+
     async def put_worker(scope: Scope, body: bytes) -> Any:
         name = scope["path_params"]["name"]
         data = decode_json(_any_decoder, body)
@@ -204,17 +220,22 @@ def create_app(service: RouterService) -> Starlette:
             message = f"method {request.method} not allowed on {request.url.path}"
         else:
             message = str(exc.detail) if isinstance(exc, HTTPException) else "internal error"
-        return Response(_json.encode({"error": message}), status_code=status, media_type="application/json")
+        # a 405 keeps Starlette's Allow header (RFC 9110: the methods the path does answer)
+        headers = exc.headers if isinstance(exc, HTTPException) else None
+        return Response(_json.encode({"error": message}), status_code=status, headers=headers,
+                        media_type="application/json")
 
     routes = [
         Route("/match", endpoint(match, body=True), methods=["POST"]),
         Route("/route", endpoint(route, body=True), methods=["POST"]),
         Route("/release", endpoint(release, body=True), methods=["POST"]),
         Route("/workers", endpoint(workers), methods=["GET"]),
-        Route("/workers/{name:path}", endpoint(put_worker, body=True), methods=["PUT"]),
-        Route("/workers/{name:path}", endpoint(delete_worker), methods=["DELETE"]),
+        # one route for both methods: a 405 on the path names both in its Allow header
+        Route("/workers/{name:path}", _ByMethod(PUT=endpoint(put_worker, body=True), DELETE=endpoint(delete_worker)),
+              methods=["PUT", "DELETE"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
         Route("/metrics", endpoint(metrics), methods=["GET"]),
+        Route("/openapi.json", endpoint(openapi, auth=False), methods=["GET"]),
         *gateway.routes(),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found})
