@@ -121,6 +121,9 @@ class WorkerAnswer(msgspec.Struct, forbid_unknown_fields=True):
     queued_prefill_tokens: int
     in_flight_peers: int
     connected: bool | None
+    #: why the stream delivers nothing: a failed handshake (wrong CURVE key, refused client key,
+    #: mechanism mismatch) or a foreign topic; None when there is no named cause
+    stream_problem: str | None
     lagging: bool
     ingest_queued: int
     apply_delay_s: float | None
@@ -148,6 +151,8 @@ class HealthAnswer(msgspec.Struct, forbid_unknown_fields=True):
     ingesting: bool
     subscribed: bool
     lagging: list[str]
+    #: per stream, why it delivers nothing (as in ``GET /workers``); any makes ``ok`` ``degraded``
+    stream_problems: dict[str, str]
     misaligned: dict[str, str]
     down: list[str]
     #: with ``--state``: the state backend's own view
