@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from support import wait_until
 from support.relay import Ctx, Engine, RelayThread
-from support.server import batch, stored, tokens
+from support.server import ServeProcess, batch, stored, tokens
 
 from tokenspeed_router.events.curve import generate_key_files
 from tokenspeed_router.events.publisher import ZmqEventPublisher
@@ -173,3 +173,18 @@ def test_an_idle_stream_is_not_a_problem(ctx: Ctx, relay: RelayThread, keys: Key
         service.stop()
         for pub in pubs:
             pub.close()
+
+
+def test_serve_answers_degraded_with_the_cause_over_http(relay: RelayThread, keys: Keys, tmp_path: Path) -> None:
+    """The issue's run: ``serve`` given the wrong relay key; GET /health is 200 "degraded" naming it."""
+    spec = (f"name=w0,events={relay.relay.endpoint},replay={relay.relay.replay_endpoint},"
+            f"curve_server_key={keys.other_pub},curve_key={keys.router_secret}")
+    with ServeProcess(["--worker", spec, "--stale-after-s", "300"], tmp_path).start() as serve:
+        def named() -> bool:
+            resp = serve.http.get("/health")
+            return resp.status_code == 200 and resp.json()["status"] == "degraded"
+
+        wait_until(named, 20, what="GET /health degraded")
+        health = serve.http.get("/health").json()
+        assert "curve_server_key" in health["stream_problems"]["w0"]
+        assert "curve_server_key" in serve.workers()["w0"]["stream_problem"]
