@@ -120,6 +120,7 @@ class StreamState:
     quiet_since_s: float | None = None
     #: the all-topics SUB socket of the topic probe, while it runs
     probe: zmq.Socket[bytes] | None = None
+    #: a probe saw a message since the stream last handshook or delivered (no second probe)
     probed: bool = False
 
 
@@ -466,10 +467,12 @@ class IngestLoop:
                 stream.quiet_since_s = time.monotonic()
                 if stream.problem is not None and not stream.probed:
                     self._set_problem(stream, None)
+                if stream.problem is None:
+                    stream.probed = False  # a new connection may be a new publisher: probe it again if silent
                 self._set_connected(stream, True)
             elif _HANDSHAKES and event in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                                            zmq.EVENT_HANDSHAKE_FAILED_AUTH):
-                self._set_problem(stream, handshake_failure(stream.spec, int(event), int(msg.get("value", 0))))
+                self._set_problem(stream, _handshake_failure(stream.spec, int(event), int(msg.get("value", 0))))
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):
                 self._set_connected(stream, False)
 
@@ -587,7 +590,7 @@ class IngestLoop:
 _PROTOCOL_ERRORS = {int(getattr(zmq, n)): n for n in dir(zmq) if n.startswith("PROTOCOL_ERROR_")}
 
 
-def handshake_failure(spec: SubscriberSpec, event: int, value: int) -> str:
+def _handshake_failure(spec: SubscriberSpec, event: int, value: int) -> str:
     """The cause of a failed ZMTP/CURVE handshake with ``spec``'s events endpoint, in words."""
     where = spec.events
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
