@@ -612,12 +612,14 @@ class RouterService:
         connected = self._loop.connected() if self._loop is not None else {}
         stats = self._loop.statistics() if self._loop is not None else {}
         lag = self._loop.lag() if self._loop is not None else {}
+        problems = self._loop.stream_problems() if self._loop is not None else {}
         core = self._core
         peer_load = core.router.peer_load
         with core.locked():
             peers = peer_load.peers() if peer_load is not None else {}
             out = worker_entries(
                 self._workers, core, stats, connected, now, peers=peers, ingest_lag=lag,
+                stream_problems=problems,
             )
         if peer_load is not None:
             # other replicas' in-flight work: "shared", or "degraded" (Redis down: local view only)
@@ -631,8 +633,10 @@ class RouterService:
 
         ``status`` is ``ok``; ``unavailable`` when every configured stream is
         stale (no event stream reaches us: the index cannot be trusted) or the
-        state backend reports itself disconnected; ``stopping`` during
-        shutdown. ``problems`` says why. HTTP answers 503 for anything but
+        state backend reports itself disconnected; ``degraded`` (still
+        serving) when the state backend shares no in-flight work, or a stream
+        connects but delivers nothing for a named cause (``stream_problems``:
+        a failed handshake, a foreign topic); ``stopping`` during shutdown. ``problems`` says why. HTTP answers 503 for anything but
         ``ok``/``degraded`` (see ``server/http.py``).
         """
         state = self._state_health() if self._state_health is not None else None
@@ -649,6 +653,11 @@ class RouterService:
             status = "unavailable"
         if status == "ok" and state is not None and state.get("sharing") == "degraded":
             status = "degraded"  # serving on this replica's view of in-flight work only
+        # streams that connect but deliver nothing, with the cause (a failed handshake, a foreign topic)
+        stream_problems = self._loop.stream_problems() if self._loop is not None else {}
+        problems.extend(f"worker {name}: {cause}" for name, cause in sorted(stream_problems.items()))
+        if stream_problems and status == "ok":
+            status = "degraded"
         return {
             "status": status,
             "problems": problems,
@@ -659,6 +668,7 @@ class RouterService:
             "subscribed": self._ingesting,  # False while a replicated backend leads elsewhere
             # streams whose events reach the index late (informational: still served, see /workers)
             "lagging": sorted(n for n, st in lag.items() if st.lagging),
+            "stream_problems": dict(sorted(stream_problems.items())),
             **({"state": state} if state is not None else {}),
         }
 

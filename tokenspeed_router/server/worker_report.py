@@ -30,6 +30,7 @@ def worker_entries(
     *,
     peers: Mapping[str, Any] | None = None,
     ingest_lag: Mapping[str, LagStatus] | None = None,
+    stream_problems: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """``GET /workers``: ``{name: info}`` per stream, at the top level (DESIGN §6).
 
@@ -40,10 +41,13 @@ def worker_entries(
     which KvIndex core runs). ``peers``: other router replicas' in-flight load
     per worker (shared load), reported as ``in_flight_peers``. ``ingest_lag``:
     the apply queue's view (``lagging``: its events reach the index late;
-    ``ingest_queued``, ``apply_delay_s``, ``shed_batches``).
+    ``ingest_queued``, ``apply_delay_s``, ``shed_batches``). ``stream_problems``:
+    why a stream delivers nothing (a failed handshake, a foreign topic), as
+    ``stream_problem`` (None when there is none).
     """
     peers = peers or {}
     queue = ingest_lag or {}
+    problems = stream_problems or {}
     index = core.index
     statuses = core.ingestor.statuses()
     load = core.router.load()
@@ -89,6 +93,7 @@ def worker_entries(
             # requests other router replicas have in flight there (shared load)
             "in_flight_peers": peers[name].active_requests if name in peers else 0,
             "connected": connected.get(name),
+            "stream_problem": problems.get(name),
             "lagging": queue[name].lagging if name in queue else False,
             "ingest_queued": queue[name].queued if name in queue else 0,
             "apply_delay_s": queue[name].apply_delay_s if name in queue else None,
