@@ -190,6 +190,7 @@ def test_defaults_land_on_their_sources() -> None:
     agentic = trace_summary(_gen("agentic", 3000).requests)
     assert agentic["input_mean"] == pytest.approx(8596, rel=0.10)  # Mooncake tool&agent mean input
     assert agentic["output_mean"] == pytest.approx(182, rel=0.10)  # ... and mean output
+    assert agentic["req_per_s"] == pytest.approx(23608 / 3600, rel=0.15)  # ... in about an hour
     # The whole Mooncake conversation trace: 12,031 requests in 3,537 s, ideal hit 37.4 %,
     # 8,056 sessions (benchmarks/trace_sessions.py).
     chat = _gen("chat", 12031)
@@ -221,8 +222,10 @@ def test_bad_shape_parameters_are_clear_errors() -> None:
         make_shape("nope")
     with pytest.raises(ConfigError, match="no parameter 'bogus'"):
         make_shape("agentic", {"bogus": "1"})
-    with pytest.raises(ConfigError, match="system_prompts expects int"):
+    with pytest.raises(ConfigError, match="system_prompts expects a finite int"):
         make_shape("agentic", {"system_prompts": "two"})
+    with pytest.raises(ConfigError, match="tool_latency_s_mean expects a finite float, got 'inf'"):
+        make_shape("agentic", {"tool_latency_s_mean": "inf"})
     with pytest.raises(ConfigError, match="system_prompts must be >= 1"):
         make_shape("agentic", {"system_prompts": "0"})
     with pytest.raises(ConfigError, match="no parameter 'seed'"):
@@ -276,6 +279,8 @@ def test_trace_command_writes_the_file_and_rejects_bad_input(tmp_path: Path,
     assert cli.main(["trace", "--shape", "x", "--requests", "5", "--out", str(a)]) == 2
     assert cli.main(["trace", "--shape", "cold", "--requests", "5", "--out", str(a), "--param", "nokey"]) == 2
     assert "--param expects KEY=VALUE" in capsys.readouterr().err
+    assert cli.main(["trace", "--shape", "cold", "--requests", "5", "--out", str(a), "--rate", "inf"]) == 2
+    assert "--rate must be a finite number > 0, got inf" in capsys.readouterr().err
 
 
 def test_trace_summary_reports_lengths_and_block_reuse() -> None:

@@ -11,6 +11,7 @@ arrival rate and parameters (docs/workloads.md).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import textwrap
 from pathlib import Path
@@ -73,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.shape is None or args.requests is None or args.out is None:
         raise ConfigError("trace needs --shape NAME --requests N --out FILE (or --list)")
-    if args.rate is not None and args.rate <= 0:
-        raise ConfigError(f"--rate must be > 0, got {args.rate}")
+    if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
+        raise ConfigError(f"--rate must be a finite number > 0, got {args.rate}")
     shape = make_shape(args.shape, _params(args.param), rate_per_s=args.rate)
     trace = generate_trace(shape, seed=args.seed, requests=args.requests)
     if args.out == "-":

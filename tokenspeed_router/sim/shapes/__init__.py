@@ -16,6 +16,7 @@ sources.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import typing
 from collections.abc import Mapping
@@ -87,9 +88,12 @@ def _parse_value(name: str, kind: Any, text: str) -> Any:
         if kind is int:
             return int(text)
         if kind is float:
-            return float(text)
+            value = float(text)
+            if not math.isfinite(value):
+                raise ValueError(text)
+            return value
     except ValueError:
-        raise ConfigError(f"parameter {name} expects {kind.__name__}, got {text!r}") from None
+        raise ConfigError(f"parameter {name} expects a finite {kind.__name__}, got {text!r}") from None
     return text
 
 

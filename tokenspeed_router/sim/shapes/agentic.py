@@ -40,12 +40,15 @@ class AgenticShape(Shape):
     Grounding: Mooncake (Qin et al., FAST'25, Table 2): the tool&agent
     workload has mean input 8,596 and mean output 182 tokens; our defaults
     give mean output 182 (``output_tokens_mean``) and a mean input near
-    8.6 k (docs/workloads.md has the measured figure). The 6-9 k-token
-    system prompts, their number and the loop lengths are choices (issue 26's
-    agentic setup; an agent caching study on DeepResearchBench used
-    10,000-token system prompts and 3-50 tool calls, "Don't Break the
-    Cache", arXiv 2601.06007, read in a secondary summary). Preble (ICLR'25)
-    names tool use and agents as its long-shared-prompt workloads.
+    8.6 k (docs/workloads.md has the measured figure). Its 23,608 requests
+    span about an hour (Dynamo's DynoSim replay of it: 60.1 simulated
+    minutes, a draft post), 6.5 req/s: 1.7 sessions/s of about 3.9 calls
+    give that. The 6-9 k-token system prompts, their number and the loop
+    lengths are choices (issue 26's agentic setup; an agent caching study on
+    DeepResearchBench used 10,000-token system prompts and 3-50 tool calls,
+    "Don't Break the Cache", arXiv 2601.06007, read in a secondary summary).
+    Preble (ICLR'25) names tool use and agents as its long-shared-prompt
+    workloads.
     """
 
     NAME: ClassVar[str] = "agentic"
@@ -53,7 +56,8 @@ class AgenticShape(Shape):
                               "grow by tool observations, interleaved, fast turn-backs")
     SOURCES: ClassVar[tuple[str, ...]] = (
         "Mooncake, Qin et al., USENIX FAST'25, Table 2: tool&agent workload, mean input 8,596 "
-        "and mean output 182 tokens (23,608 requests)",
+        "and mean output 182 tokens, 23,608 requests in about an hour (6.5 req/s; Dynamo's DynoSim "
+        "replay: 60.1 simulated minutes)",
         "Preble, Srivatsa et al., ICLR'25: tool use and agents as long, shared-prompt workloads",
         "choices: 6-9k-token system prompts (issue 26), calls per session, tool latency; cf. "
         "'Don't Break the Cache', arXiv 2601.06007 (10k-token system prompts, 3-50 tool calls; "
@@ -66,7 +70,8 @@ class AgenticShape(Shape):
     system_prompt_max_tokens: int = param(9000, "longest system prompt, uniform draw (tokens; choice)")
     system_prompt_skew: float = param(1.0, "Zipf exponent of the system prompts' popularity, 0 = uniform "
                                            "(choice)")
-    session_rate_per_s: float = param(0.5, "new agent sessions per second, Poisson (1/s; choice)")
+    session_rate_per_s: float = param(1.7, "new agent sessions per second, Poisson (1/s; gives about the 6.5 "
+                                           "req/s of Mooncake tool&agent)")
     task_tokens_median: int = param(250, "median user task after the system prompt, lognormal (tokens; "
                                          "choice)")
     task_tokens_sigma: float = param(0.8, "log-space sigma of the task length (choice)")
