@@ -45,13 +45,13 @@ def test_the_cost_model_hears_every_store_and_removal() -> None:
     core.add_worker("w1")
     prompt = tokens(5, 4)
     d = core.route(prompt, request_id="r1")
-    engine = core.router._engines[d.worker]  # the cost model's belief about that engine
-    assert engine.predictions
+    assert core.engine_estimates()[d.worker].predictions == 1  # the cost model's belief about that engine
     core.mark_prefill_done("r1")
     core.apply_item(_item(d.worker, 0, stored(prompt)))
-    assert not engine.predictions, "the store ended the prediction it confirms"
+    assert core.engine_estimates()[d.worker].predictions == 0, "the store ended the prediction it confirms"
     core.apply_item(_item(d.worker, 1, removed(prompt, 3, 1)))
-    assert engine.capacity_tokens == 4 * BLOCK, "the first eviction learns the engine's capacity"
+    estimate = core.engine_estimates()[d.worker]
+    assert estimate.capacity_tokens == 4 * BLOCK, "the first eviction learns the engine's capacity"
 
 
 def test_records_follow_the_sequence_rules() -> None:
