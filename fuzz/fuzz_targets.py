@@ -232,7 +232,7 @@ def convert_case(data: bytes) -> Any:
             fmt = ["B", "b", "<H", "=i", "@q", "Q", "d", "?"][(sel >> 3) % 8]
             size = struct.calcsize(fmt)
             raw = body[: len(body) // size * size]
-            return memoryview(raw).cast("B").cast(fmt.lstrip("<=@")) if raw else memoryview(b"")
+            return memoryview(raw).cast("B").cast(fmt.lstrip("<=@")) if raw else memoryview(b"")  # type: ignore[call-overload]
         case 5:
             return body if sel & 8 else body.decode("latin-1")
         case 6:

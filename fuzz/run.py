@@ -16,7 +16,7 @@ downloaded: the seeds come from tests/data/captures/ and the edge cases below,
 plus the minimized corpus kept in fuzz/corpus/.
 
 Exit status: 0 clean, 1 a finding (the input is written to build/fuzz/findings/),
-2 the build failed.
+2 the build failed. FUZZ_OUT moves build/fuzz elsewhere (a smoke run beside a campaign).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FUZZ = ROOT / "fuzz"
 CSRC = ROOT / "csrc"
-OUT = ROOT / "build" / "fuzz"
+OUT = Path(os.environ.get("FUZZ_OUT") or ROOT / "build" / "fuzz")
 TARGETS = ("ingest", "msgpack", "convert")
 SEPARATOR = b"\xc1FZ\xc1"  # fuzz_targets.SEPARATOR
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
@@ -140,13 +140,13 @@ def build(eng: str | None = None) -> dict[str, Path]:
 # ------------------------------------------------------------------ seeds
 
 
-def _captures() -> Iterator[tuple[str, list[bytes]]]:
-    """(name, payloads in order) of every recorded stream in tests/data/captures/."""
+def _captures() -> Iterator[list[bytes]]:
+    """The payloads, in order, of every recorded stream in tests/data/captures/."""
     from tokenspeed_router.events.kvcap import read_kvcap
 
     for cap in sorted((ROOT / "tests" / "data" / "captures").glob("*/*.kvcap")):
         payloads = [r.frames[-1] for r in read_kvcap(cap) if r.frames and r.frames[-1]]
-        yield f"{cap.parent.name}-{cap.stem}", payloads
+        yield payloads
 
 
 def _ingest_edge_cases() -> Iterator[bytes]:
@@ -205,7 +205,7 @@ def seeds() -> dict[str, Path]:
 
     import msgspec
 
-    for name, payloads in _captures():
+    for payloads in _captures():
         bs16 = 1 << 1  # fuzz_targets: flags bits 1-2 pick the block size (16 for the captures)
         for p in payloads:
             put("ingest", bytes([bs16, 0]) + p)
@@ -250,8 +250,9 @@ def _env() -> dict[str, str]:
 
 
 def _corpus_dirs(target: str) -> list[Path]:
-    kept = FUZZ / "corpus" / target
-    return [d for d in (OUT / "seeds" / target, kept) if d.is_dir()]
+    """Seeds, the kept (minimized) corpus, and the inputs of past findings (replayed by every run)."""
+    dirs = (OUT / "seeds" / target, FUZZ / "corpus" / target, FUZZ / "regressions" / target)
+    return [d for d in dirs if d.is_dir()]
 
 
 _STATS = re.compile(r"#(\d+)\s+(\w+)\s+cov: (\d+) ft: (\d+) corp: (\d+)/(\S+)(?:.*?exec/s: (\d+))?")
@@ -263,12 +264,12 @@ def _figures(log: str) -> dict[str, object]:
     for m in _STATS.finditer(log):
         fig = {"execs": int(m[1]), "cov": int(m[3]), "ft": int(m[4]), "corpus": int(m[5]),
                "corpus_size": m[6], "exec_per_s": int(m[7] or 0)}
-    m = re.search(r"stat::number_of_executed_units: (\d+)", log)
-    if m:
-        fig["execs"] = int(m[1])
-    m = re.search(r"==driver== Done (\d+) runs in ([\d.]+) s \(corpus (\d+)", log)
-    if m:
-        fig = {"execs": int(m[1]), "seconds": float(m[2]), "corpus": int(m[3])}
+    units = re.search(r"stat::number_of_executed_units: (\d+)", log)
+    if units:
+        fig["execs"] = int(units[1])
+    done = re.search(r"==driver== Done (\d+) runs in ([\d.]+) s \(corpus (\d+)", log)
+    if done:
+        fig = {"execs": int(done[1]), "seconds": float(done[2]), "corpus": int(done[3])}
     return fig
 
 
