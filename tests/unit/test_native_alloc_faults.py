@@ -117,6 +117,8 @@ OPERATIONS: dict[str, Callable[[KvIndex], Any]] = {
         _ev("BlockStored", block_hashes=[502], parent_block_hash=998, token_ids=_toks(50100, BS), block_size=BS),
         ["BlockRemoved", [5]]]), salvage=True),
     "raw_remove": lambda ix: ix.apply_raw("w0", _raw([["BlockRemoved", [1, 2, 3, 4]]])),
+    "clear_worker": lambda ix: ix.clear_worker("w0"),
+    "remove_worker": lambda ix: ix.remove_worker("w1"),
     "match": lambda ix: ix.match_detail(list(range(64))),
     "snapshot": lambda ix: ix.snapshot(),
     "dump_events": lambda ix: ix.dump_events(),
@@ -124,7 +126,7 @@ OPERATIONS: dict[str, Callable[[KvIndex], Any]] = {
 }
 
 
-NO_ALLOCATION = {"clear_all"}
+NO_ALLOCATION = {"clear_all", "clear_worker", "remove_worker"}
 
 
 def test_the_hook_is_inert_unless_armed() -> None:
@@ -158,5 +160,6 @@ def test_every_allocation_failure_leaves_the_index_unchanged(name: str) -> None:
         break
     else:
         pytest.fail(f"{name} still failed at allocation {MAX_K}")
-    # the few that allocate nothing cannot fail this way (a whole-cache clear frees tables)
+    # the few that allocate nothing cannot fail this way (a whole-cache clear, dropping a
+    # worker: they free tables)
     assert (failed == 0) == (name in NO_ALLOCATION), f"{name}: {failed} allocations"

@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from tokenspeed_router.errors import WireError
 from tokenspeed_router.events import KVEventBatch
 from tokenspeed_router.events.schema import BlockStored
 from tokenspeed_router.router.index import NATIVE_AVAILABLE, KvIndex
@@ -124,3 +125,24 @@ def test_no_pointer_arithmetic_past_an_end_in_csrc() -> None:
     found = [f"{p.name}:{i}: {line.strip()}" for p in sorted(CSRC.glob("*.[ch]"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if bad.search(line)]
     assert not found, found
+
+
+@pytest.mark.parametrize("core", ["native", "reference"])
+def test_a_block_size_beyond_64_bits_is_a_wire_error(core: str) -> None:
+    """Found by fuzz_ingest: one block of 16 tokens with block_size 2**64 - 5 passed validation
+    (a partial block) and the native core raised OverflowError out of apply, which the ingestor
+    does not count as a malformed batch. Now both cores refuse it as malformed, unchanged."""
+    index = KvIndex(core=core)
+    index.apply("w", KVEventBatch(1.0, [BlockStored(block_hashes=[1], parent_block_hash=None,
+                                                     token_ids=[9] * 16, block_size=16)]))
+    before = index.snapshot()
+    for bs in (2**63, 2**64 - 5):
+        bad = BlockStored(block_hashes=[2], parent_block_hash=1, token_ids=list(range(16)), block_size=bs)
+        with pytest.raises(WireError, match="block size"):
+            index.apply("w", KVEventBatch(2.0, [bad]))
+        with pytest.raises(WireError):
+            index.apply("fresh", KVEventBatch(2.0, [bad]))
+        assert index.snapshot() == before and index.workers() == ["w"]
+    big = BlockStored(block_hashes=[3], parent_block_hash=1, token_ids=list(range(16)), block_size=2**63 - 1)
+    index.apply("w", KVEventBatch(3.0, [big]))  # the largest the core holds: another grid, kept unmatchable
+    assert index.worker_info("w").unmatchable == 1

@@ -107,6 +107,9 @@ if _native is not None:
 _DEFAULT_CORE = os.environ.get("TOKENSPEED_ROUTER_INDEX", "").strip().lower() or None
 
 _M64 = (1 << 64) - 1
+#: the largest block size an index takes (the compiled core keeps it in a C long); a
+#: larger one is a WireError for both cores, never an OverflowError out of apply
+_MAX_BLOCK_SIZE = (1 << 63) - 1
 _DUMP_EVENT_BLOCKS = 256
 _DUMP_PLACEHOLDER = b"tokenspeed_router.dump.block_size"
 _COUNTERS = (
@@ -414,6 +417,8 @@ class KvIndex:
         """Reject a malformed event before anything of the batch is applied."""
         validate_event(ev, f"worker {worker!r}: ")
         if isinstance(ev, BlockStored):
+            if ev.block_size > _MAX_BLOCK_SIZE:  # found by fuzz/fuzz_ingest.c (docs/faults.md)
+                raise WireError(f"worker {worker!r}: BlockStored block size {ev.block_size} exceeds {_MAX_BLOCK_SIZE}")
             xk = ev.extra_keys
             if type(xk) is dict and DUMP_CONTENT_KEY in xk:
                 # what dump_events writes (an index's own format, so checked here)
