@@ -22,7 +22,16 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#if defined(__SANITIZE_ADDRESS__)
+#define FZ_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define FZ_ASAN 1
+#endif
+#endif
+#ifdef FZ_ASAN
 #include <sanitizer/common_interface_defs.h>
+#endif
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -178,7 +187,9 @@ int main(int argc, char **argv) {
         else load(argv[i]);
     }
     fz_on_finding = keep_input;
+#ifdef FZ_ASAN
     __sanitizer_set_death_callback(keep_input);
+#endif
     LLVMFuzzerInitialize(&argc, &argv);
     if (!ncorpus) add((const uint8_t *)"", 0);
     struct timespec t0, t1;

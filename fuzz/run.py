@@ -3,6 +3,7 @@
     python fuzz/run.py smoke [--seconds S]         every target, S seconds each (CI: tests/unit/test_fuzz_smoke.py)
     python fuzz/run.py campaign TARGET --seconds S  one long libFuzzer run, its figures in a JSON summary
     python fuzz/run.py build | seeds                just that step
+    python fuzz/run.py coverage                     line coverage of each decoder by the corpora
 
 Targets: ingest (csrc/ingest_decode.c into a real core), msgpack (csrc/msgpack.c),
 convert (csrc/convert.c). Each links the same csrc/*.c that setup.py compiles,
@@ -227,6 +228,9 @@ def seeds() -> dict[str, Path]:
         put("ingest", bytes([1 << 3, 1 + i % 6]) + p)  # an allocation failure
     for p in _tokens_edge_cases():
         put("msgpack", p)
+    put("msgpack", b"")
+    put("convert", b"")
+    put("ingest", b"\x00\x00")
     for p in _convert_edge_cases():
         put("convert", p)
     return dirs
@@ -342,11 +346,54 @@ def campaign(target: str, seconds: float, keep: bool) -> int:
     return 0 if rc == 0 else 1
 
 
+COVERED = {"ingest": "ingest_decode.c", "msgpack": "msgpack.c", "convert": "convert.c"}
+
+
+def coverage() -> dict[str, dict[str, float]]:
+    """Line / region / function coverage of each decoder by its corpora (clang source-based).
+
+    The targets are built once more without sanitizers, with -fprofile-instr-generate, and
+    fuzz/driver.c replays the seeds, the kept corpus and the regressions (no mutation);
+    llvm-cov reports the decoder file each target is for.
+    """
+    cc, pyinc, pylink = "clang", *_python_link()
+    flags = ["-g", "-O0", "-std=c11", "-DTSR_FUZZ", "-fprofile-instr-generate", "-fcoverage-mapping",
+             f"-I{CSRC}", f"-I{CSRC / 'xxhash'}", *pyinc]
+    out_dir = OUT / "coverage"
+    objs = []
+    for src in [*sorted(CSRC.glob("*.c")), FUZZ / "driver.c"]:
+        obj = out_dir / "obj" / (src.stem + ".o")
+        _compile(cc, src, obj, flags + (["-fvisibility=hidden"] if src.parent == CSRC else []))
+        objs.append(obj)
+    seeds()
+    result: dict[str, dict[str, float]] = {}
+    for t, covered in COVERED.items():
+        harness = out_dir / "obj" / f"fuzz_{t}.o"
+        _compile(cc, FUZZ / f"fuzz_{t}.c", harness, flags)
+        exe = out_dir / f"fuzz_{t}"
+        subprocess.run([cc, "-fprofile-instr-generate", *map(str, objs), str(harness), *pylink, "-o", str(exe)],
+                       check=True)
+        raw = out_dir / f"{t}.profraw"
+        env = {**_env(), "LLVM_PROFILE_FILE": str(raw)}
+        subprocess.run([str(exe), "-runs=0", *map(str, _corpus_dirs(t))], env=env, cwd=out_dir, check=True,
+                       capture_output=True)
+        prof = out_dir / f"{t}.profdata"
+        subprocess.run(["llvm-profdata", "merge", "-sparse", str(raw), "-o", str(prof)], check=True)
+        rep = subprocess.run(["llvm-cov", "report", str(exe), f"-instr-profile={prof}", str(CSRC / covered)],
+                             check=True, capture_output=True, text=True).stdout
+        total = next(line for line in rep.splitlines() if line.startswith("TOTAL")).split()
+        # TOTAL regions missed cover% functions missed exec% lines missed cover% [branches ...]
+        result[covered] = {"regions_pct": float(total[3].rstrip("%")), "functions_pct": float(total[6].rstrip("%")),
+                           "lines_pct": float(total[9].rstrip("%")), "lines": int(total[7])}
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("build")
     sub.add_parser("seeds")
+    sub.add_parser("coverage", help="line coverage of each decoder by its corpora (needs clang, llvm-cov)")
     p = sub.add_parser("smoke")
     p.add_argument("--seconds", type=float, default=float(os.environ.get("FUZZ_SMOKE_SECONDS", "6")))
     p = sub.add_parser("campaign")
@@ -362,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.cmd == "smoke":
         return smoke(a.seconds)
+    if a.cmd == "coverage":
+        print(json.dumps(coverage(), indent=1))
+        return 0
     return campaign(a.target, a.seconds, a.keep)
 
 
