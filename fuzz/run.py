@@ -268,6 +268,9 @@ def _figures(log: str) -> dict[str, object]:
     for m in _STATS.finditer(log):
         fig = {"execs": int(m[1]), "cov": int(m[3]), "ft": int(m[4]), "corpus": int(m[5]),
                "corpus_size": m[6], "exec_per_s": int(m[7] or 0)}
+    inited = re.search(r"#\d+\s+INITED\s+cov: (\d+) ft: (\d+) corp: (\d+)", log)
+    if inited:  # what the seeds alone reach
+        fig.update(seed_cov=int(inited[1]), seed_ft=int(inited[2]), seed_corpus=int(inited[3]))
     units = re.search(r"stat::number_of_executed_units: (\d+)", log)
     if units:
         fig["execs"] = int(units[1])

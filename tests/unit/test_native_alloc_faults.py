@@ -4,8 +4,9 @@
 from now on fail (csrc/common.h: every malloc/calloc/realloc/mmap of csrc/
 goes through it; inert unless armed). Each operation KvIndex drives the core
 with -- apply (stores with aliases, tiers, bytes ids and parents; removes;
-clears; multi-event batches), apply_raw (both modes), a new worker, match,
-snapshot, dump_events, restore -- is run with k = 1, 2, ... until it
+clears; multi-event batches; a table big enough to be mapped), apply_raw
+(both modes), a new worker (the 65th too), match (lists, buffers, a wide
+fleet), snapshot, dump_events, restore -- is run with k = 1, 2, ... until it
 completes without reaching the k-th allocation: every smaller k must raise
 MemoryError and leave the whole index as it was (entries, tiers, counters,
 match answers).
@@ -13,6 +14,7 @@ match answers).
 
 from __future__ import annotations
 
+import array
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +50,14 @@ def _base() -> KvIndex:
         _stored(list(range(1000, 1040)), None, 60000),  # a long chain that aliases below re-store
     ]))
     index.apply("w1", KVEventBatch(1.0, [_stored([1, 2], None, 0, medium="disk"), _stored([5], 2, 900)]))
+    return index
+
+
+def _fleet() -> KvIndex:
+    """64 workers: the next one widens every holder mask by a word; a query takes the wide path."""
+    index = _base()
+    for i in range(62):
+        index.apply(f"f{i}", KVEventBatch(1.0, [_stored([1, 2], None, 0)]))
     return index
 
 
@@ -117,6 +127,10 @@ OPERATIONS: dict[str, Callable[[KvIndex], Any]] = {
         _ev("BlockStored", block_hashes=[502], parent_block_hash=998, token_ids=_toks(50100, BS), block_size=BS),
         ["BlockRemoved", [5]]]), salvage=True),
     "raw_remove": lambda ix: ix.apply_raw("w0", _raw([["BlockRemoved", [1, 2, 3, 4]]])),
+    # tables of 2 MiB and more are mapped (table.c: big_zalloc's mmap path)
+    "store_huge_table": lambda ix: ix.apply("w1", KVEventBatch(2.0, [_stored(list(range(10**6, 10**6 + 300_000)),
+                                                                             None, 0)])),
+    "match_buffer": lambda ix: ix.match(array.array("Q", range(64))),
     "clear_worker": lambda ix: ix.clear_worker("w0"),
     "remove_worker": lambda ix: ix.remove_worker("w1"),
     "match": lambda ix: ix.match_detail(list(range(64))),
@@ -129,6 +143,13 @@ OPERATIONS: dict[str, Callable[[KvIndex], Any]] = {
 NO_ALLOCATION = {"clear_all", "clear_worker", "remove_worker"}
 
 
+#: operations on a fleet of 64 workers (the base above has 2)
+FLEET_OPERATIONS: dict[str, Callable[[KvIndex], Any]] = {
+    "store_65th_worker": lambda ix: ix.apply("w64", KVEventBatch(2.0, [_stored([1, 2, 3], None, 0)])),
+    "match_wide_fleet": lambda ix: ix.match_detail(list(range(12))),
+}
+
+
 def test_the_hook_is_inert_unless_armed() -> None:
     assert _native._fail_alloc_after(0) == 0
     assert _native._fail_alloc_after(5) == 0
@@ -137,13 +158,14 @@ def test_the_hook_is_inert_unless_armed() -> None:
         _native._fail_alloc_after(-1)
 
 
-@pytest.mark.parametrize("name", sorted(OPERATIONS))
+@pytest.mark.parametrize("name", sorted(OPERATIONS) + sorted(FLEET_OPERATIONS))
 def test_every_allocation_failure_leaves_the_index_unchanged(name: str) -> None:
-    op = OPERATIONS[name]
-    want = op(_base())  # what the operation answers when nothing fails
+    op = OPERATIONS.get(name) or FLEET_OPERATIONS[name]
+    base = _base if name in OPERATIONS else _fleet
+    want = op(base())  # what the operation answers when nothing fails
     failed = 0
     for k in range(1, MAX_K):
-        index = _base()
+        index = base()
         before = _state(index)
         _native._fail_alloc_after(k)
         try:
