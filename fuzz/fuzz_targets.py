@@ -155,8 +155,11 @@ def _ingest_payload(raw: KvIndex, typed: KvIndex, payload: bytes, salvage: bool,
 
 
 class _Tier(enum.IntEnum):
+    """int subclasses take the API paths of convert.c, not the digit-reading fast ones."""
+
     A = 3
     B = 2**40
+    C = -(2**40)
 
 
 class _Index:
@@ -191,7 +194,7 @@ def _int_of(chunk: bytes) -> Any:
         case 9:
             return bool(v & 1)
         case 10:
-            return _Tier.A if v & 1 else _Tier.B
+            return (_Tier.A, _Tier.B, _Tier.C)[v % 3]
         case 11:
             return _Index(v - (1 << 63))
         case 12:
