@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench clean fuzz-smoke fuzz
 
 # setup.py builds the compiled index core (csrc/, machine's C compiler): editing it reinstalls.
 $(STAMP): pyproject.toml constraints-dev.txt setup.py $(wildcard csrc/*.c csrc/*.h)
@@ -26,11 +26,23 @@ demo: $(STAMP)
 	$(BIN)/tokenspeed-router demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check tokenspeed_router tests benchmarks examples
+	$(BIN)/ruff check tokenspeed_router tests benchmarks examples fuzz
 	$(BIN)/mypy
+	$(BIN)/mypy fuzz/run.py fuzz/fuzz_targets.py
 
 test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# Fuzzing the native decoders (docs/development.md): build/fuzz/, nothing downloaded.
+# fuzz-smoke: every target a few seconds (what CI runs through tests/unit/test_fuzz_smoke.py);
+# fuzz: a campaign of FUZZ_SECONDS per target, one target at a time, at low priority.
+FUZZ_SECONDS ?= 1800
+FUZZ_TARGETS ?= ingest msgpack convert
+fuzz-smoke: $(STAMP)
+	$(BIN)/python fuzz/run.py smoke
+
+fuzz: $(STAMP)
+	for t in $(FUZZ_TARGETS); do nice -n 10 $(BIN)/python fuzz/run.py campaign $$t --seconds $(FUZZ_SECONDS) || exit 1; done
 
 bench: $(STAMP)
 	$(BIN)/tokenspeed-router bench

@@ -38,6 +38,43 @@ typedef uint8_t u8;
 #define TOK_AHEAD 96 /* list items whose int objects are prefetched ahead of the one read */
 #endif
 
+/* Every allocation of the extension goes through tsr_malloc / tsr_calloc /
+ * tsr_realloc (and big_zalloc, table.c), so that a test can make the k-th one
+ * fail (_native._fail_alloc_after, native.c) and check that each call then
+ * raises MemoryError with the index unchanged. Inert unless armed: one
+ * relaxed load and a branch never taken. Python objects the extension builds
+ * are allocated by CPython and not counted. */
+extern long tsr_alloc_countdown;
+int tsr_alloc_fault(void);
+static inline int tsr_alloc_refused(void) {
+    return __builtin_expect(__atomic_load_n(&tsr_alloc_countdown, __ATOMIC_RELAXED) != 0, 0) && tsr_alloc_fault();
+}
+/* The fuzz build (-DTSR_FUZZ, fuzz/run.py) also counts the live blocks, so a
+ * harness can check that an input left none behind (cheaper and more exact
+ * than LeakSanitizer beside an embedded interpreter). The normal build: nothing. */
+#ifdef TSR_FUZZ
+extern long tsr_live_allocs;
+#define TSR_COUNT(d) ((void)__atomic_add_fetch(&tsr_live_allocs, (d), __ATOMIC_RELAXED))
+#else
+#define TSR_COUNT(d) ((void)0)
+#endif
+static inline void *tsr_counted(void *p) {
+    if (p) TSR_COUNT(1);
+    return p;
+}
+static inline void *tsr_malloc(size_t n) { return tsr_alloc_refused() ? NULL : tsr_counted(malloc(n)); }
+static inline void *tsr_calloc(size_t n, size_t k) { return tsr_alloc_refused() ? NULL : tsr_counted(calloc(n, k)); }
+static inline void *tsr_realloc(void *p, size_t n) {
+    if (tsr_alloc_refused()) return NULL;
+    void *q = realloc(p, n);
+    if (q && !p) TSR_COUNT(1);
+    return q;
+}
+static inline void tsr_free(void *p) {
+    if (p) TSR_COUNT(-1);
+    free(p);
+}
+
 /* The chained content hash of one block: XXH3-64 of its token ids (native
  * u64s) seeded with the parent's hash (hashing.py is the Python twin). */
 static inline u64 chain(const u64 *words, size_t n, u64 seed) {

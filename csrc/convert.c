@@ -66,7 +66,7 @@ u64 *tokens_from(PyObject *obj, Py_ssize_t *n_out, int strict) {
             int ok = f[0] && !f[1] && view.ndim == 1 && strchr("bBhHiIlLqQnN", fc) && PyBuffer_IsContiguous(&view, 'C');
             if (ok) {
                 Py_ssize_t n = view.shape ? view.shape[0] : view.len / view.itemsize;
-                u64 *out = malloc((size_t)(n ? n : 1) * sizeof(u64));
+                u64 *out = tsr_malloc((size_t)(n ? n : 1) * sizeof(u64));
                 if (!out) {
                     PyBuffer_Release(&view);
                     PyErr_NoMemory();
@@ -101,7 +101,7 @@ u64 *tokens_from(PyObject *obj, Py_ssize_t *n_out, int strict) {
                 }
                 PyBuffer_Release(&view);
                 if (bad) {
-                    free(out);
+                    tsr_free(out);
                     PyErr_SetString(PyExc_OverflowError, "token ids must be non-negative");
                     return NULL;
                 }
@@ -122,7 +122,7 @@ u64 *tokens_from(PyObject *obj, Py_ssize_t *n_out, int strict) {
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    u64 *out = malloc((size_t)(n ? n : 1) * sizeof(u64));
+    u64 *out = tsr_malloc((size_t)(n ? n : 1) * sizeof(u64));
     if (!out) {
         Py_DECREF(seq);
         PyErr_NoMemory();
@@ -140,7 +140,7 @@ u64 *tokens_from(PyObject *obj, Py_ssize_t *n_out, int strict) {
     *n_out = n;
     return out;
 fail:
-    free(out);
+    tsr_free(out);
     Py_DECREF(seq);
     return NULL;
 }
@@ -182,7 +182,7 @@ int toks_open(PyObject *obj, Toks *t) {
     memset(t, 0, sizeof(*t));
     if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
         t->ntok = PySequence_Fast_GET_SIZE(obj);
-        t->buf = malloc((size_t)(t->ntok ? t->ntok : 1) * sizeof(u64));
+        t->buf = tsr_malloc((size_t)(t->ntok ? t->ntok : 1) * sizeof(u64));
         if (!t->buf) {
             PyErr_NoMemory();
             return -1;
@@ -198,7 +198,7 @@ int toks_open(PyObject *obj, Toks *t) {
 }
 
 void toks_close(Toks *t) {
-    free(t->buf);
+    tsr_free(t->buf);
     Py_CLEAR(t->seq);
 }
 

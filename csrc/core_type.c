@@ -32,11 +32,11 @@ static int ext_keys_from(Core *c, int s, PyObject *ids, u64 **keys_out, u8 **kin
     if (!seq) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    u64 *keys = malloc((size_t)(n ? n : 1) * sizeof(u64));
-    u8 *kinds = malloc((size_t)(n ? n : 1));
+    u64 *keys = tsr_malloc((size_t)(n ? n : 1) * sizeof(u64));
+    u8 *kinds = tsr_malloc((size_t)(n ? n : 1));
     if (!keys || !kinds) {
-        free(keys);
-        free(kinds);
+        tsr_free(keys);
+        tsr_free(kinds);
         Py_DECREF(seq);
         PyErr_NoMemory();
         return -1;
@@ -59,8 +59,8 @@ static int ext_keys_from(Core *c, int s, PyObject *ids, u64 **keys_out, u8 **kin
     *n_out = n;
     return 0;
 fail:
-    free(keys);
-    free(kinds);
+    tsr_free(keys);
+    tsr_free(kinds);
     Py_DECREF(seq);
     return -1;
 }
@@ -103,10 +103,10 @@ static void worker_free(Worker *w) {
 
 static void Core_dealloc(Core *c) {
     for (int s = 0; s < c->nslots; s++) worker_free(&c->w[s]);
-    free(c->w);
-    free(c->order);
+    tsr_free(c->w);
+    tsr_free(c->order);
     g_free(&c->glob);
-    free(c->log);
+    tsr_free(c->log);
     Py_XDECREF(c->slot_of);
     pthread_rwlock_destroy(&c->lock);
     Py_TYPE(c)->tp_free((PyObject *)c);
@@ -135,9 +135,9 @@ static PyObject *Core_register(Core *c, PyObject *name) {
     wlock(c);
     if (s == c->capslots) {
         int cap = c->capslots ? 2 * c->capslots : 8;
-        Worker *nw = realloc(c->w, (size_t)cap * sizeof(Worker));
+        Worker *nw = tsr_realloc(c->w, (size_t)cap * sizeof(Worker));
         if (nw) c->w = nw;
-        int *no = nw ? realloc(c->order, (size_t)cap * sizeof(int)) : NULL;
+        int *no = nw ? tsr_realloc(c->order, (size_t)cap * sizeof(int)) : NULL;
         if (no) c->order = no;
         if (no) c->capslots = cap;
         else err = 1;
@@ -215,8 +215,9 @@ static PyObject *Core_set_block_size(Core *c, PyObject *args) {
 }
 
 /* What store and store_hashed answer: (new, duplicate) blocks, None when the
- * parent is unknown (nothing changed), or MemoryError (the event's blocks up
- * to the failing one are held: each block is stored whole or not at all). */
+ * parent is unknown (nothing changed), or MemoryError (nothing changed: the
+ * call runs as its own batch when none is open, and inside one the caller
+ * rolls the batch back). */
 static PyObject *stored_answer(int err, int unknown, long added, long dup) {
     if (err) return PyErr_NoMemory();
     if (unknown) Py_RETURN_NONE;
@@ -245,13 +246,13 @@ static PyObject *Core_store(Core *c, PyObject *args) {
     u8 *kinds;
     Py_ssize_t n;
     if (ext_keys_from(c, s, ids, &keys, &kinds, &n) < 0) {
-        free(toks);
+        tsr_free(toks);
         return NULL;
     }
     if (bs <= 0 || nfull < 0 || nfull > n || nfull * bs > ntok || n - nfull > 1) {
-        free(toks);
-        free(keys);
-        free(kinds);
+        tsr_free(toks);
+        tsr_free(keys);
+        tsr_free(kinds);
         PyErr_SetString(PyExc_ValueError, "inconsistent store arguments");
         return NULL;
     }
@@ -271,12 +272,16 @@ static PyObject *Core_store(Core *c, PyObject *args) {
             if (w->ext.meta[i] & M_UNM) unm = 1;
         }
     }
-    if (!unknown) err = hold_chain(c, s, keys, kinds, toks, n, ntok, bs, nfull, h, unm, (u8)tier, &added, &dup);
+    if (!unknown) {
+        int own = txn_open(c);
+        err = hold_chain(c, s, keys, kinds, toks, n, ntok, bs, nfull, h, unm, (u8)tier, &added, &dup);
+        txn_close(c, own, err);
+    }
     unlock(c);
     if (ts) PyEval_RestoreThread(ts);
-    free(toks);
-    free(keys);
-    free(kinds);
+    tsr_free(toks);
+    tsr_free(keys);
+    tsr_free(kinds);
     return stored_answer(err, unknown, added, dup);
 }
 
@@ -298,7 +303,7 @@ static PyObject *Core_store_hashed(Core *c, PyObject *args) {
     u8 *kinds;
     Py_ssize_t n;
     if (ext_keys_from(c, s, ids, &keys, &kinds, &n) < 0) {
-        free(cs);
+        tsr_free(cs);
         return NULL;
     }
     const char *fl = NULL;
@@ -330,6 +335,7 @@ static PyObject *Core_store_hashed(Core *c, PyObject *args) {
     }
     if (!unknown) {
         Worker *w = &c->w[s];
+        int own = txn_open(c);
         /* room for the whole event first */
         if (tab_reserve(&w->ext, (size_t)n) < 0 || g_reserve(&c->glob, (size_t)n) < 0 ||
             tab_reserve(&w->aux, (size_t)(punm || tier != GPU ? n : nflagged)) < 0)
@@ -343,29 +349,36 @@ static PyObject *Core_store_hashed(Core *c, PyObject *args) {
             added += r;
             dup += 1 - r;
         }
+        txn_close(c, own, err);
     }
     unlock(c);
     if (ts) PyEval_RestoreThread(ts);
-    free(cs);
-    free(keys);
-    free(kinds);
+    tsr_free(cs);
+    tsr_free(keys);
+    tsr_free(kinds);
     return stored_answer(err, unknown, added, dup);
 bad:
-    free(cs);
-    free(keys);
-    free(kinds);
+    tsr_free(cs);
+    tsr_free(keys);
+    tsr_free(kinds);
     return NULL;
 }
 
 /* Drop originals of bytes ids no longer stored, once they are most of the dict
- * (amortised O(1) per removal; never inside a batch that may roll back). */
-static int prune_bytes(Core *c, int s) {
+ * (amortised O(1) per removal; never inside a batch that may roll back).
+ * Housekeeping, not the call's work: when it cannot build the smaller dict
+ * (out of memory) the old one stays and the next removal tries again, so the
+ * call that did its work still answers. */
+static void prune_bytes(Core *c, int s) {
     Worker *w = &c->w[s];
-    if (!w->bytes_ids || c->logging) return 0;
+    if (!w->bytes_ids || c->logging) return;
     Py_ssize_t have = PyDict_GET_SIZE(w->bytes_ids);
-    if ((size_t)have < 2 * w->ext.len + 1024) return 0;
+    if ((size_t)have < 2 * w->ext.len + 1024) return;
     PyObject *keep = PyDict_New();
-    if (!keep) return -1;
+    if (!keep) {
+        PyErr_Clear();
+        return;
+    }
     for (size_t i = 0; i < w->ext.cap; i++) {
         if (!(w->ext.meta[i] & M_BYTES)) continue;
         PyObject *k = PyLong_FromUnsignedLongLong(w->ext.keys[i]);
@@ -373,12 +386,12 @@ static int prune_bytes(Core *c, int s) {
         if (!v || PyDict_SetItem(keep, k, v) < 0) {
             Py_XDECREF(k);
             Py_DECREF(keep);
-            return PyErr_Occurred() ? -1 : 0;
+            PyErr_Clear();
+            return;
         }
         Py_DECREF(k);
     }
     Py_SETREF(w->bytes_ids, keep);
-    return 0;
 }
 
 /* remove(name, ext_ids, tier, unspecified) -> (removed, unknown, tier_mismatches) */
@@ -392,13 +405,13 @@ static PyObject *Core_remove(Core *c, PyObject *args) {
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    u64 *keys = malloc((size_t)(n ? n : 1) * sizeof(u64));
-    u8 *kinds = malloc((size_t)(n ? n : 1));
-    u8 *valid = malloc((size_t)(n ? n : 1));
+    u64 *keys = tsr_malloc((size_t)(n ? n : 1) * sizeof(u64));
+    u8 *kinds = tsr_malloc((size_t)(n ? n : 1));
+    u8 *valid = tsr_malloc((size_t)(n ? n : 1));
     if (!keys || !kinds || !valid) {
-        free(keys);
-        free(kinds);
-        free(valid);
+        tsr_free(keys);
+        tsr_free(kinds);
+        tsr_free(valid);
         Py_DECREF(seq);
         return PyErr_NoMemory();
     }
@@ -446,11 +459,11 @@ static PyObject *Core_remove(Core *c, PyObject *args) {
     }
     unlock(c);
     if (ts) PyEval_RestoreThread(ts);
-    free(keys);
-    free(kinds);
-    free(valid);
+    tsr_free(keys);
+    tsr_free(kinds);
+    tsr_free(valid);
     if (err) return PyErr_NoMemory();
-    if (prune_bytes(c, s) < 0) return NULL;
+    prune_bytes(c, s);
     return Py_BuildValue("lll", removed, unknown, mismatch);
 }
 
@@ -490,8 +503,8 @@ static PyObject *Core_apply_raw(Core *c, PyObject *args) {
     if (out != NULL && out != Py_None) {
         if (c->w[s].ext.len == 0 && !c->logging)
             Py_CLEAR(c->w[s].bytes_ids);
-        else if (prune_bytes(c, s) < 0)
-            Py_CLEAR(out);
+        else
+            prune_bytes(c, s);
     }
     return out;
 }
@@ -540,11 +553,11 @@ static PyObject *do_match(Core *c, PyObject *args, int detail) {
     for (;;) {
         int ns = c->nslots;
         werr = 0;
-        out.scores = calloc((size_t)(ns ? ns : 1), sizeof(long));
-        out.tiers = calloc((size_t)(ns ? ns : 1) * 3, sizeof(long));
+        out.scores = tsr_calloc((size_t)(ns ? ns : 1), sizeof(long));
+        out.tiers = tsr_calloc((size_t)(ns ? ns : 1) * 3, sizeof(long));
         if (!out.scores || !out.tiers) {
-            free(out.scores);
-            free(out.tiers);
+            tsr_free(out.scores);
+            tsr_free(out.tiers);
             toks_close(&toks);
             return PyErr_NoMemory();
         }
@@ -564,8 +577,8 @@ static PyObject *do_match(Core *c, PyObject *args, int detail) {
             unlock(c);
         }
         if (toks.err || toks.slow) {
-            free(out.scores);
-            free(out.tiers);
+            tsr_free(out.scores);
+            tsr_free(out.tiers);
             if (toks.err) {
                 toks_close(&toks);
                 return NULL;
@@ -582,13 +595,13 @@ static PyObject *do_match(Core *c, PyObject *args, int detail) {
             continue;
         }
         if (version == c->version && ns == c->nslots) break;
-        free(out.scores); /* the set of workers changed meanwhile: answer again */
-        free(out.tiers);
+        tsr_free(out.scores); /* the set of workers changed meanwhile: answer again */
+        tsr_free(out.tiers);
     }
     toks_close(&toks);
     if (werr) {
-        free(out.scores);
-        free(out.tiers);
+        tsr_free(out.scores);
+        tsr_free(out.tiers);
         return PyErr_NoMemory();
     }
     PyObject *scores = PyDict_New(), *tiers = NULL, *sizes = NULL;
@@ -630,8 +643,8 @@ done:
     Py_XDECREF(scores);
     Py_XDECREF(tiers);
     Py_XDECREF(sizes);
-    free(out.scores);
-    free(out.tiers);
+    tsr_free(out.scores);
+    tsr_free(out.tiers);
     return result;
 }
 
@@ -684,10 +697,10 @@ static PyObject *Core_items(Core *c, PyObject *name) {
     Py_BEGIN_ALLOW_THREADS
     rlock(c);
     n = w->ext.len;
-    keys = malloc((n ? n : 1) * sizeof(u64));
-    vals = malloc((n ? n : 1) * sizeof(u64));
-    meta = malloc(n ? n : 1);
-    tiers = malloc(n ? n : 1);
+    keys = tsr_malloc((n ? n : 1) * sizeof(u64));
+    vals = tsr_malloc((n ? n : 1) * sizeof(u64));
+    meta = tsr_malloc(n ? n : 1);
+    tiers = tsr_malloc(n ? n : 1);
     if (!keys || !vals || !meta || !tiers) {
         oom = 1;
     } else {
@@ -742,10 +755,10 @@ done:
     Py_XDECREF(unmi);
     Py_XDECREF(ti);
     Py_XDECREF(tc);
-    free(keys);
-    free(vals);
-    free(meta);
-    free(tiers);
+    tsr_free(keys);
+    tsr_free(vals);
+    tsr_free(meta);
+    tsr_free(tiers);
     return res;
 }
 

@@ -16,9 +16,9 @@ PyObject *mod_hash_blocks(PyObject *m, PyObject *args) {
     u64 *toks = tokens_from(tokens, &ntok, 1);
     if (!toks) return NULL;
     Py_ssize_t n = ntok / bs;
-    u64 *hs = malloc((size_t)(n ? n : 1) * sizeof(u64));
+    u64 *hs = tsr_malloc((size_t)(n ? n : 1) * sizeof(u64));
     if (!hs) {
-        free(toks);
+        tsr_free(toks);
         return PyErr_NoMemory();
     }
     u64 h = seed;
@@ -29,7 +29,7 @@ PyObject *mod_hash_blocks(PyObject *m, PyObject *args) {
     } else {
         for (Py_ssize_t i = 0; i < n; i++) hs[i] = h = chain(toks + i * bs, (size_t)bs, h);
     }
-    free(toks);
+    tsr_free(toks);
     PyObject *out = PyList_New(n);
     if (out) {
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -41,7 +41,7 @@ PyObject *mod_hash_blocks(PyObject *m, PyObject *args) {
             PyList_SET_ITEM(out, i, v);
         }
     }
-    free(hs);
+    tsr_free(hs);
     return out;
 }
 

@@ -8,7 +8,7 @@ static inline int log_reserve(Core *c, size_t k) {
     if (!c->logging || c->nlog + k <= c->caplog) return 0;
     size_t cap = c->caplog ? c->caplog : 256;
     while (c->nlog + k > cap) cap *= 2;
-    Undo *n = realloc(c->log, cap * sizeof(Undo));
+    Undo *n = tsr_realloc(c->log, cap * sizeof(Undo));
     if (!n) return E_NOMEM;
     c->log = n;
     c->caplog = cap;
@@ -124,9 +124,10 @@ int hold_chain(Core *c, int s, const u64 *keys, const u8 *kinds, u64 *toks, Py_s
                Py_ssize_t ntok, long bs, Py_ssize_t nfull, u64 h, int unm, u8 tier,
                long *added, long *dup) {
     Worker *w = &c->w[s];
-    /* room for the whole event first (slots stay put while prefetched) */
+    /* room for the whole event first (slots stay put while prefetched; the log
+     * takes at most three entries a block) */
     if (tab_reserve(&w->ext, (size_t)n) < 0 || g_reserve(&c->glob, (size_t)n) < 0 ||
-        tab_reserve(&w->aux, (size_t)(unm || tier != GPU ? n : n - nfull)) < 0)
+        tab_reserve(&w->aux, (size_t)(unm || tier != GPU ? n : n - nfull)) < 0 || log_reserve(c, 3 * (size_t)n) < 0)
         return E_NOMEM;
     enum { D = 12 };
     for (Py_ssize_t i = 0; i < n + D; i++) {
@@ -233,11 +234,11 @@ Py_ssize_t clear_blocks(Core *c, int s, u8 code) {
     }
     size_t n = w->ext.len;
     if (!n) return 0;
-    u64 *keys = malloc(n * sizeof(u64));
-    u8 *kinds = malloc(n);
+    u64 *keys = tsr_malloc(n * sizeof(u64));
+    u8 *kinds = tsr_malloc(n);
     if (!keys || !kinds) {
-        free(keys);
-        free(kinds);
+        tsr_free(keys);
+        tsr_free(kinds);
         return E_NOMEM;
     }
     size_t k = 0;
@@ -270,8 +271,8 @@ Py_ssize_t clear_blocks(Core *c, int s, u8 code) {
             break;
         }
     }
-    free(keys);
-    free(kinds);
+    tsr_free(keys);
+    tsr_free(kinds);
     return gone;
 }
 
@@ -288,6 +289,32 @@ static void batch_end(Core *c, size_t nlog) {
 }
 
 void commit_batch(Core *c) { batch_end(c, c->nlog); }
+
+/* A log this long (entries) is given back when a call's own batch ends: one
+ * huge event (a snapshot restore's store) must not keep its log forever. */
+#define TXN_LOG_KEEP 4096
+
+int txn_open(Core *c) {
+    if (c->logging) return 0;
+    c->nlog = 0;
+    c->logging = 1;
+    return 1;
+}
+
+int txn_close(Core *c, int own, int failed) {
+    if (!own) return 0;
+    int err = 0;
+    if (failed)
+        err = undo_all(c);
+    else
+        commit_batch(c);
+    if (c->caplog > TXN_LOG_KEEP) {
+        tsr_free(c->log);
+        c->log = NULL;
+        c->caplog = 0;
+    }
+    return err;
+}
 
 int undo_all(Core *c) {
     int err = 0;
@@ -396,10 +423,10 @@ int walk(const Core *c, Toks *t, u64 root, int detail, MatchOut *out) {
     u64 *alive = alive_s, *hashes = NULL;
     int err = 0;
     if (norder > SMALL_WORKERS || W > SMALL_WORDS) {
-        sizes = malloc((size_t)norder * sizeof(long));
-        gi = malloc((size_t)norder * sizeof(int));
-        act = malloc(W * sizeof(int));
-        alive = malloc(W * sizeof(u64));
+        sizes = tsr_malloc((size_t)norder * sizeof(long));
+        gi = tsr_malloc((size_t)norder * sizeof(int));
+        act = tsr_malloc(W * sizeof(int));
+        alive = tsr_malloc(W * sizeof(u64));
         if (!sizes || !gi || !act || !alive) {
             err = E_NOMEM;
             goto done;
@@ -424,7 +451,7 @@ int walk(const Core *c, Toks *t, u64 root, int detail, MatchOut *out) {
         gi[oi] = last;
     }
     if (!ngroups || t->ntok < minbs) goto done;
-    hashes = malloc((size_t)(t->ntok / minbs) * sizeof(u64));
+    hashes = tsr_malloc((size_t)(t->ntok / minbs) * sizeof(u64));
     if (!hashes) {
         err = E_NOMEM;
         goto done;
@@ -462,12 +489,12 @@ int walk(const Core *c, Toks *t, u64 root, int detail, MatchOut *out) {
         }
     }
 done:
-    free(hashes);
+    tsr_free(hashes);
     if (sizes != sizes_s) {
-        free(sizes);
-        free(gi);
-        free(act);
-        free(alive);
+        tsr_free(sizes);
+        tsr_free(gi);
+        tsr_free(act);
+        tsr_free(alive);
     }
     return err;
 }

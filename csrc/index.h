@@ -102,7 +102,8 @@ int hold_block(Core *c, int s, u64 key, u8 kind, u64 content, int unm, u8 code);
  * Reserves room for the whole event first, then hashes every block while
  * prefetching the slots each will touch, so the inserts' cache misses overlap.
  * toks is reused for the hashes. 0, or E_NOMEM (blocks before the failing one
- * stay held, each whole). One definition for store() and the raw ingest path. */
+ * stay held, each whole: callers run it inside txn_open/txn_close, which
+ * undoes them). One definition for store() and the raw ingest path. */
 int hold_chain(Core *c, int s, const u64 *keys, const u8 *kinds, u64 *toks, Py_ssize_t n,
                Py_ssize_t ntok, long bs, Py_ssize_t nfull, u64 h, int unm, u8 tier,
                long *added, long *dup);
@@ -117,6 +118,15 @@ void commit_batch(Core *c);
  * table could not take back an entry (never expected: no table shrinks while
  * a batch is logged, so every entry fits where it was). */
 int undo_all(Core *c);
+
+/* A call that may fail halfway (an event's chain of blocks, a raw batch) runs
+ * as its own batch when none is open, so that E_NOMEM undoes what it did and
+ * the index is left as it was: txn_open answers 1 when it opened one (the
+ * caller passes that to txn_close), 0 inside a batch (begin() .. commit(),
+ * whose owner rolls back). txn_close(c, own, failed) commits or undoes it:
+ * 0, or E_NOMEM if the undo could not restore everything (never expected). */
+int txn_open(Core *c);
+int txn_close(Core *c, int own, int failed);
 
 /* ---- matching */
 

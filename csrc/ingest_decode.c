@@ -181,7 +181,10 @@ static u8 medium_of(const MVal *v) {
     return 0;
 }
 
-/* set_media(pairs): [(lowercase name, tier code), ...] */
+/* set_media(pairs): [(lowercase name, tier code), ...]. The pairs are parsed
+ * into a local table and copied over the live one only when every pair parsed:
+ * a refused call leaves the previous table whole (the raw decoder keeps
+ * reading it), never half overwritten. */
 PyObject *mod_set_media(PyObject *m, PyObject *pairs) {
     PyObject *seq = PySequence_Fast(pairs, "set_media takes a sequence of (name, code) pairs");
     if (!seq) return NULL;
@@ -191,6 +194,8 @@ PyObject *mod_set_media(PyObject *m, PyObject *pairs) {
         PyErr_SetString(PyExc_ValueError, "too many medium names");
         return NULL;
     }
+    char names[MEDIA_MAX][MEDIUM_NAME_MAX + 1];
+    u8 codes[MEDIA_MAX];
     int k = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         const char *name;
@@ -200,12 +205,14 @@ PyObject *mod_set_media(PyObject *m, PyObject *pairs) {
             return NULL;
         }
         if (strlen(name) > MEDIUM_NAME_MAX || code < 1 || code > ALL_TIERS) continue;
-        strcpy(media_name[k], name);
-        media_code[k] = (u8)code;
+        strcpy(names[k], name);
+        codes[k] = (u8)code;
         k++;
     }
-    n_media = k;
     Py_DECREF(seq);
+    memcpy(media_name, names, sizeof(names[0]) * (size_t)k);
+    memcpy(media_code, codes, (size_t)k);
+    n_media = k;
     Py_RETURN_NONE;
 }
 
@@ -228,8 +235,8 @@ typedef struct {
     Py_ssize_t nev, capev;
     u64 *keys;
     u8 *kinds;
-    u32 *boff; /* bin ids: offset of the bytes in the payload (0 for ints) */
-    u32 *blen;
+    size_t *boff; /* bin ids: offset of the bytes in the payload (0 for ints); size_t: payloads may pass 4 GiB */
+    size_t *blen;
     Py_ssize_t nkeys, capkeys;
     u64 *toks;
     Py_ssize_t ntoks, captoks;
@@ -238,20 +245,22 @@ typedef struct {
 } Plan;
 
 static void plan_free(Plan *pl) {
-    free(pl->ev);
-    free(pl->keys);
-    free(pl->kinds);
-    free(pl->boff);
-    free(pl->blen);
-    free(pl->toks);
+    tsr_free(pl->ev);
+    tsr_free(pl->keys);
+    tsr_free(pl->kinds);
+    tsr_free(pl->boff);
+    tsr_free(pl->blen);
+    tsr_free(pl->toks);
     memset(pl, 0, sizeof(*pl));
 }
 
+/* Room for `need` items; the array exists after any successful call, even for
+ * need 0 (an empty id or token list still points into it: NULL + 0 is UB). */
 static int grow(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
-    if (need <= *cap) return 0;
+    if (need <= *cap && *p) return 0;
     Py_ssize_t c = *cap ? *cap : 64;
     while (c < need) c *= 2;
-    void *q = realloc(*p, (size_t)c * item);
+    void *q = tsr_realloc(*p, (size_t)c * item);
     if (!q) return -1;
     *p = q;
     *cap = c;
@@ -259,21 +268,21 @@ static int grow(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
 }
 
 static int keys_reserve(Plan *pl, Py_ssize_t need) {
-    if (need <= pl->capkeys) return 0;
+    if (need <= pl->capkeys && pl->keys) return 0;
     Py_ssize_t cap = pl->capkeys;
     if (grow((void **)&pl->keys, &cap, need, sizeof(u64)) < 0) return -1;
     Py_ssize_t c2 = pl->capkeys;
     if (grow((void **)&pl->kinds, &c2, need, 1) < 0) return -1;
     c2 = pl->capkeys;
-    if (grow((void **)&pl->boff, &c2, need, sizeof(u32)) < 0) return -1;
+    if (grow((void **)&pl->boff, &c2, need, sizeof(size_t)) < 0) return -1;
     c2 = pl->capkeys;
-    if (grow((void **)&pl->blen, &c2, need, sizeof(u32)) < 0) return -1;
+    if (grow((void **)&pl->blen, &c2, need, sizeof(size_t)) < 0) return -1;
     pl->capkeys = cap;
     return 0;
 }
 
 /* One external block id (int or bin) -> key + kind, as ext_key() makes it. */
-static int id_of(const MVal *v, const u8 *base, u64 *key, u8 *kind, u32 *off, u32 *len) {
+static int id_of(const MVal *v, const u8 *base, u64 *key, u8 *kind, size_t *off, size_t *len) {
     if (v->t == MT_INT) {
         *key = v->u;
         *kind = v->neg ? M_SIGNED : 0;
@@ -283,8 +292,8 @@ static int id_of(const MVal *v, const u8 *base, u64 *key, u8 *kind, u32 *off, u3
     if (v->t == MT_BIN) {
         *key = XXH3_64bits_withSeed(v->s, v->len, 0x7473726f75746572ULL);
         *kind = M_BYTES;
-        *off = (u32)(v->s - base);
-        *len = (u32)v->len;
+        *off = (size_t)(v->s - base);
+        *len = v->len;
         return 0;
     }
     return -1;
@@ -325,12 +334,12 @@ static int read_tokens(Rd *r, Plan *pl, REv *e) {
             out[i] = *p++;
             continue;
         }
-        if (p + 3 <= end && *p == 0xcd) {
+        if (end - p >= 3 && *p == 0xcd) {
             out[i] = ((u64)p[1] << 8) | p[2];
             p += 3;
             continue;
         }
-        if (p + 5 <= end && *p == 0xce) {
+        if (end - p >= 5 && *p == 0xce) {
             out[i] = rd_be(p + 1, 4);
             p += 5;
             continue;
@@ -375,7 +384,7 @@ static int read_parent(Rd *r, const u8 *base, Plan *pl, REv *e) {
         e->has_parent = 0;
         return RAW_OK;
     }
-    u32 off, len;
+    size_t off, len;
     if (id_of(&v, base, &e->pkey, &e->pkind, &off, &len) < 0) return RAW_NOT_MINE;
     e->has_parent = 1;
     (void)pl;
@@ -573,15 +582,18 @@ typedef struct {
 } RawOut;
 
 /* Apply every event of the plan, each under its own lock hold. GIL not needed.
- * salvage=0: all or nothing (undo log for more than one event, as KvIndex.apply);
- * salvage=1: event by event, refused stores skipped and counted (IndexIngestor._salvage). */
+ * salvage=0: all or nothing (undo log, as KvIndex.apply);
+ * salvage=1: event by event, refused stores skipped and counted (IndexIngestor._salvage).
+ * Out of memory undoes the whole batch in both modes (the call raises MemoryError
+ * with the index unchanged); so does an unknown parent when salvage=0. */
 static void plan_apply(Core *c, int s, Plan *pl, u64 root, int salvage, RawOut *o) {
-    int logged = !salvage && pl->nev > 1;
     o->last_clear = o->last_reject = -1;
-    if (logged) {
+    /* a lone remove or clear cannot fail halfway (and a lone clear of every
+     * tier takes the fast path only outside a batch): no log for those */
+    int own = 0;
+    if (pl->nev > 1 || (pl->nev == 1 && pl->ev[0].kind == RE_STORE)) {
         wlock(c);
-        c->nlog = 0;
-        c->logging = 1;
+        own = txn_open(c);
         unlock(c);
     }
     for (Py_ssize_t i = 0; i < pl->nev && !o->err; i++) {
@@ -641,15 +653,9 @@ static void plan_apply(Core *c, int s, Plan *pl, u64 root, int salvage, RawOut *
         }
         unlock(c);
     }
-    if (logged) {
-        wlock(c);
-        if (o->unknown_parent || o->err) {
-            if (undo_all(c) < 0) o->err = E_NOMEM;
-        } else {
-            commit_batch(c);
-        }
-        unlock(c);
-    }
+    wlock(c);
+    if (txn_close(c, own, o->unknown_parent || o->err) < 0) o->err = E_NOMEM;
+    unlock(c);
 }
 
 /* Remember the original bytes of bin ids (Worker.bytes_ids), as ext_keys_from does. GIL held. */
@@ -662,7 +668,7 @@ static int plan_bytes(Core *c, int s, Plan *pl, const u8 *base) {
             if (!(pl->kinds[j] & M_BYTES)) continue;
             if (!w->bytes_ids && !(w->bytes_ids = PyDict_New())) return -1;
             PyObject *k = PyLong_FromUnsignedLongLong(pl->keys[j]);
-            PyObject *b = k ? PyBytes_FromStringAndSize((const char *)base + pl->boff[j], pl->blen[j]) : NULL;
+            PyObject *b = k ? PyBytes_FromStringAndSize((const char *)base + pl->boff[j], (Py_ssize_t)pl->blen[j]) : NULL;
             int r = b ? PyDict_SetItem(w->bytes_ids, k, b) : -1;
             Py_XDECREF(k);
             Py_XDECREF(b);
@@ -703,8 +709,7 @@ PyObject *raw_apply(Core *c, int s, const void *data, Py_ssize_t len, long bs, u
     int flags = (pl.has_store ? 1 : 0) | (pl.has_clear_all ? 2 : 0);
     plan_free(&pl);
     if (rc == RAW_NOMEM || o.err) {
-        PyErr_SetString(PyExc_MemoryError, salvage || nev < 2 ? "out of memory applying a KV event batch"
-                                                              : "out of memory applying a KV event batch (rolled back)");
+        PyErr_SetString(PyExc_MemoryError, "out of memory applying a KV event batch (nothing of it applied)");
         return NULL;
     }
     if (rc != RAW_OK) Py_RETURN_NONE;

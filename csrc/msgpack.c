@@ -62,6 +62,13 @@ PyObject *mod_msgpack_tokens(PyObject *m, PyObject *arg) {
     if (!out) goto done;
     u64 *dst = (u64 *)PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++) {
+        /* the count only bounds the items by one byte each: wider items can
+         * end the input early (found by fuzz/fuzz_msgpack.c: this read past it) */
+        if (p == end) {
+            PyErr_SetString(PyExc_ValueError, "Input data was truncated");
+            Py_CLEAR(out);
+            goto done;
+        }
         u8 t = *p;
         u64 v;
         int len;

@@ -48,12 +48,44 @@
 #include "module.h"
 #include "ingest_decode.h"
 
+/* ---- allocation fault injection (common.h: tsr_malloc and the others) */
+
+/* Allocations still to go before the one that fails; 0: disarmed (the normal state). */
+long tsr_alloc_countdown;
+#ifdef TSR_FUZZ
+long tsr_live_allocs; /* blocks the extension holds (fuzz build only, common.h) */
+#endif
+
+/* Count one allocation while armed: 1 when it is the one to fail (then disarmed). */
+int tsr_alloc_fault(void) {
+    long n = __atomic_load_n(&tsr_alloc_countdown, __ATOMIC_RELAXED);
+    while (n > 0)
+        if (__atomic_compare_exchange_n(&tsr_alloc_countdown, &n, n - 1, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return n == 1;
+    return 0;
+}
+
+/* _fail_alloc_after(n) -> int: the n-th allocation of the extension from now
+ * on fails (once; n = 0 disarms). Answers how many were still to go under the
+ * previous setting: 0 when that failure happened (or nothing was armed). For
+ * the tests of tests/unit/test_native_alloc_faults.py only. */
+static PyObject *mod_fail_alloc_after(PyObject *m, PyObject *arg) {
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "_fail_alloc_after takes n >= 0");
+        return NULL;
+    }
+    return PyLong_FromLong(__atomic_exchange_n(&tsr_alloc_countdown, n, __ATOMIC_RELAXED));
+}
+
 static PyMethodDef mod_methods[] = {
     {"hash_blocks", mod_hash_blocks, METH_VARARGS, "chained content hashes of the full blocks"},
     {"chain_hash", mod_chain_hash, METH_VARARGS, "XXH3_64(data, seed)"},
     {"msgpack_tokens", mod_msgpack_tokens, METH_O, "a msgpack array of token ids in [0, 2**63) -> native u64 bytes"},
     {"scan_batch", mod_scan_batch, METH_O, "scan_batch(payload) -> ts when apply_raw can take it, else None"},
     {"set_media", mod_set_media, METH_O, "set_media([(name, code), ...]): the tier spellings of the raw decoder"},
+    {"_fail_alloc_after", mod_fail_alloc_after, METH_O, "tests only: make the n-th allocation from now fail (0: off)"},
     {NULL, NULL, 0, NULL},
 };
 

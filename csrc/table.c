@@ -9,9 +9,11 @@
 #define HUGE_MIN ((size_t)2 << 20)
 
 void *big_zalloc(size_t bytes) {
-    if (bytes < HUGE_MIN) return calloc(1, bytes ? bytes : 1);
+    if (bytes < HUGE_MIN) return tsr_calloc(1, bytes ? bytes : 1);
+    if (tsr_alloc_refused()) return NULL;
     void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return NULL;
+    TSR_COUNT(1);
 #ifdef MADV_HUGEPAGE
     madvise(p, bytes, MADV_HUGEPAGE);
 #endif
@@ -20,10 +22,12 @@ void *big_zalloc(size_t bytes) {
 
 void big_free(void *p, size_t bytes) {
     if (!p) return;
-    if (bytes < HUGE_MIN)
-        free(p);
-    else
+    if (bytes < HUGE_MIN) {
+        tsr_free(p);
+    } else {
+        TSR_COUNT(-1);
         munmap(p, bytes);
+    }
 }
 
 /* ------------------------------------------------------------------ Tab */

@@ -26,6 +26,8 @@ from tokenspeed_router.events.schema import AllBlocksCleared, BlockRemoved, Bloc
 __all__ = ["DUMP_CONTENT_KEY", "DUMP_UNMATCHABLE_KEY", "is_hash64", "token_count_ok", "validate_event"]
 
 _M64 = (1 << 64) - 1
+#: the largest block size the index cores hold (a signed 64-bit word)
+_MAX_BLOCK_SIZE = (1 << 63) - 1
 
 #: ``extra_keys`` marker of the events ``KvIndex.dump_events`` writes: they carry
 #: the content ids themselves (the index keeps no token ids). Checked here, with
@@ -56,6 +58,8 @@ def validate_event(event: object, context: str = "") -> None:
         bs = event.block_size
         if n == 0 or bs <= 0:
             raise WireError(f"{context}BlockStored with {n} hashes of block size {bs}")
+        if bs > _MAX_BLOCK_SIZE:  # found by fuzz/fuzz_ingest.c (docs/faults.md): beyond the cores' words
+            raise WireError(f"{context}BlockStored block size {bs} exceeds {_MAX_BLOCK_SIZE}")
         num = len(event.token_ids)
         if num == 0:
             p = event.parent_block_hash
