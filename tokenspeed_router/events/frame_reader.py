@@ -6,7 +6,10 @@ seq, payload]`` live, either replay framing), the topic, the payload size and
 the payload itself. Whatever fails is counted by reason, logged at most once
 per reason per interval, and skipped *before* its seq is looked at, so a
 malformed frame can never move the subscriber's sequence state. What passes
-becomes a :class:`~tokenspeed_router.events.replay_merge.Message`.
+becomes a :class:`~tokenspeed_router.events.replay_merge.Message`. A
+well-formed batch whose every event is of a kind we do not know is skipped
+too (``no_known_events``) and only reported to the caller as a *filler* seq
+(``sequencing.py``): it moves nothing either.
 
 Payloads: the native scanner (``_native.scan_batch``) proves the common
 vLLM-shaped batches well formed without building a Python object per block;
@@ -20,9 +23,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from tokenspeed_router.errors import WireError
-from tokenspeed_router.events.codec import BatchDecoder
+from tokenspeed_router.events.codec import BatchDecoder, only_unknown_events
 from tokenspeed_router.events.frames import END_SEQ, SEQ_BYTES, decode_seq, split_replay_frames
 from tokenspeed_router.events.replay_merge import Message
 from tokenspeed_router.events.schema import KVEventBatch
@@ -45,12 +49,16 @@ class FrameReader:
 
     ``received`` counts live messages read (good or bad), ``malformed`` the
     skipped ones by reason (frame_count, seq_length, topic, payload_size,
-    payload_decode, replay_frame), ``last_recv_time_s`` the wall time of the
-    last live message.
+    payload_decode, no_known_events, replay_frame), ``last_recv_time_s`` the
+    wall time of the last live message. ``on_filler(seq)`` hears each seq that
+    carried only events of unknown kinds (the subscriber notes it in its tracker).
     """
 
-    def __init__(self, worker: str, topic: bytes, max_payload_bytes: int) -> None:
+    def __init__(
+        self, worker: str, topic: bytes, max_payload_bytes: int, on_filler: Callable[[int], None]
+    ) -> None:
         self._worker = worker
+        self._on_filler = on_filler
         self._topic = topic
         self._max_payload_bytes = max_payload_bytes
         self._decoder = BatchDecoder()
@@ -129,13 +137,24 @@ class FrameReader:
                 len(payload), self._max_payload_bytes,
             )
             return None
+        seq = decode_seq(seq_frame)
         ts = _scan_batch(payload) if _scan_batch is not None else None
         batch: KVEventBatch | None = None
         if ts is None:  # not provably the common case: the typed decoder decides
+            unknown_before = self._decoder.unknown_events
             try:
                 batch = self._decoder.decode(payload)
             except WireError as err:
                 self.skip("payload_decode", "%s", err)
                 return None
+            if only_unknown_events(batch, payload):
+                # Nothing to apply: no evidence of a restart or a gap either (sequencing.py).
+                self._on_filler(seq)
+                self.skip(
+                    "no_known_events", "batch seq %d carries only events of kinds this router does "
+                    "not know (%d); skipped, it moves nothing",
+                    seq, self._decoder.unknown_events - unknown_before,
+                )
+                return None
             ts = batch.ts
-        return Message(decode_seq(seq_frame), payload, batch, topic, now, replayed, ts)
+        return Message(seq, payload, batch, topic, now, replayed, ts)

@@ -132,7 +132,7 @@ class SubscriberStatistics:
     duplicates: int
     malformed: Mapping[str, int]
     """Skipped messages by reason (frame_count, seq_length, topic, payload_size,
-    payload_decode, replay_frame)."""
+    payload_decode, no_known_events, replay_frame)."""
     gaps: int
     replay_requests: int
     replay_timeouts: int

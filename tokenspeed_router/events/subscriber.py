@@ -60,9 +60,14 @@ once, and reports ResyncNeeded if the ring has moved past it.
 
 Bad input. A frame list that is not ``[topic, 8-byte seq, payload]``, a topic
 other than the subscribed one, a payload above ``max_payload_bytes`` or one
-the decoder rejects is counted by reason (:meth:`statistics`), logged at most
-once per reason per interval, and skipped. Only the batch decoder's
-:class:`WireError` is expected there; nothing malformed stops the stream.
+the decoder rejects (undecodable, not a batch, an event that does not
+validate) is counted by reason (:meth:`statistics`), logged at most once per
+reason per interval, and skipped *before* its seq is looked at: whatever seq
+it carries, it cannot declare a gap, fake a restart or count as a duplicate.
+A well-formed batch whose every event is of a kind we do not know is skipped
+too and only noted as a filler seq (``sequencing.py``). Only the batch decoder's :class:`WireError` is
+expected there; nothing malformed stops the stream or changes what is
+delivered.
 
 Threading: a subscriber and its sockets belong to one thread (zmq sockets are
 not thread safe). Limits: a publisher that restarts and whose first batch we
@@ -135,6 +140,18 @@ _TRACKER_WINDOW = 16_384
 _JOIN_RETRY_MAX_S = 30.0
 
 
+class _Fillers:
+    """The tracker's filler seqs as a container (``merge_replay`` asks ``seq in fillers``)."""
+
+    __slots__ = ("_tracker",)
+
+    def __init__(self, tracker: SequenceTracker) -> None:
+        self._tracker = tracker
+
+    def __contains__(self, seq: object) -> bool:
+        return isinstance(seq, int) and self._tracker.is_filler(seq)
+
+
 class EventSubscriber:
     """Follow one publisher; see the module docstring for the guarantees.
 
@@ -188,12 +205,12 @@ class EventSubscriber:
             self._sub.get_monitor_socket(monitor_events) if monitor_events else None
         )
         self._sub.connect(endpoint)
-        self._frames = FrameReader(worker, self._topic, max_payload_bytes)
+        self._tracker = SequenceTracker(start_seq, window=_TRACKER_WINDOW)
+        self._frames = FrameReader(worker, self._topic, max_payload_bytes, self._tracker.note_filler)
         self._replays = ReplayClient(
             worker, replay_endpoint, self._ctx, self._frames, timeout_s=replay_timeout_s, curve=curve
         )
 
-        self._tracker = SequenceTracker(start_seq, window=_TRACKER_WINDOW)
         self._start_seq = start_seq
         self._joined = start_seq is not None
         self._started = False
@@ -459,6 +476,8 @@ class EventSubscriber:
             self._deliver(message, out)
         elif kind is VerdictKind.DUPLICATE:
             self._duplicates += 1
+        elif kind is VerdictKind.GAP and verdict.covered and self._replay_endpoint is None:
+            self._deliver(message, out)  # only filler seqs were skipped: no loss (sequencing.py)
         elif kind is VerdictKind.GAP:
             self._gaps += 1
             expected = verdict.expected if verdict.expected is not None else message.seq
@@ -598,6 +617,7 @@ class EventSubscriber:
             replay.start_seq, replay.items, self._held,
             fresh=replay.purpose is ReplayPurpose.JOIN,  # very first connection: old history is no loss
             failure=failure,
+            fillers=_Fillers(self._tracker),
         )
         for _ in range(plan.held_consumed):
             self._held.popleft()

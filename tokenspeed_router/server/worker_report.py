@@ -75,6 +75,8 @@ def worker_entries(
             "replayed_batches": registry.replayed.get(name, 0),
             "gaps": stats[name].gaps if name in stats else 0,
             "malformed_frames": stats[name].malformed_total if name in stats else 0,
+            # skipped before sequencing, by cause (events/subscriber.py): none of them moved the seq
+            "malformed_by_cause": dict(stats[name].malformed) if name in stats else {},
             "duplicates": stats[name].duplicates if name in stats else 0,
             "lag_s": lag,
             "lag": lag,
@@ -124,6 +126,7 @@ def worker_samples(
             replay_requests=stats[name].replay_requests if name in stats else 0,
             replay_timeouts=stats[name].replay_timeouts if name in stats else 0,
             malformed=stats[name].malformed_total if name in stats else 0,
+            malformed_by_cause=dict(stats[name].malformed) if name in stats else {},
             duplicates=stats[name].duplicates if name in stats else 0,
             lag_s=(now - st.last_batch_ts) if st.last_batch_ts else None,
             blocks_by_tier=index.blocks_by_tier(name),
