@@ -417,18 +417,24 @@ class KvIndex:
             ts, stats, bool(flags & 1), bool(flags & 2), bool(refused), rejected, last_clear, last_reject
         )
 
-    def apply_raw_many(self, jobs: Sequence[tuple[str, bytes]]) -> list[RawApplied | None]:
+    def apply_raw_many(self, jobs: Sequence[tuple[str, bytes]]) -> list[RawApplied | Exception | None]:
         """:meth:`apply_raw` each ``(worker, payload)`` in order, as one call.
 
         Stops after the first job the raw path cannot take (its entry is None,
-        nothing of it changed) or that was refused whole (``unknown_parent``):
-        the caller decides what that batch needs (the typed path, a resync and
-        a salvage) before the jobs after it, which are not tried. So the
-        answer has one entry per job tried, never more than ``len(jobs)``.
+        nothing of it changed), that was refused whole (``unknown_parent``) or
+        that ran out of memory (the :class:`MemoryError` in its place, nothing
+        of it applied): the caller decides what that batch needs (the typed
+        path, a resync and a salvage) before the jobs after it, which are not
+        tried. So the answer has one entry per job tried, never more than
+        ``len(jobs)``, and every job before the last entry was applied.
         """
-        out: list[RawApplied | None] = []
+        out: list[RawApplied | Exception | None] = []
         for worker, payload in jobs:
-            got = self.apply_raw(worker, payload)
+            try:
+                got = self.apply_raw(worker, payload)
+            except MemoryError as err:
+                out.append(err)
+                break
             out.append(got)
             if got is None or got.unknown_parent:
                 break

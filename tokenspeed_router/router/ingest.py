@@ -231,7 +231,7 @@ class IndexIngestor:
         self._on_cleared = on_cleared
         self._tracks: dict[str, _Track] = {}
         self._raw: Callable[..., RawApplied | None] | None = getattr(index, "apply_raw", None) if raw else None
-        self._raw_many: Callable[[Sequence[tuple[str, bytes]]], list[RawApplied | None]] | None = (
+        self._raw_many: Callable[[Sequence[tuple[str, bytes]]], list[RawApplied | Exception | None]] | None = (
             getattr(index, "apply_raw_many", None) if raw else None
         )
         #: live batches applied through the raw path (the rest were decoded)
@@ -308,15 +308,21 @@ class IndexIngestor:
         run = items[start:end]
         try:
             results = self._raw_many([(b.worker, b.payload) for b in run])  # type: ignore[union-attr]
-        except Exception as err:  # out of memory: nothing of the failing batch applied
-            failed.append((run[0], err))
-            return start + 1
+        except Exception:  # raised before applying anything (its contract): take the run one by one
+            for item in run:
+                try:
+                    self.on_item(item)
+                except Exception as err:
+                    failed.append((item, err))
+            return end
         for item, got in zip(run, results, strict=False):
             assert isinstance(item, BatchReceived)
             t = self._track(item.worker)
             t.epoch = item.epoch
             t.last_seq = item.seq
             try:
+                if isinstance(got, Exception):  # out of memory: nothing of that batch applied
+                    raise got
                 if got is None:
                     self._apply(item.worker, t, item.batch, item.recv_time_s)
                 else:
