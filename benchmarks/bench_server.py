@@ -622,6 +622,62 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _thread_names(pid: int) -> dict[int, str]:
+    """OS thread id -> Python thread name of a process, from ``py-spy dump`` (empty without py-spy).
+
+    Python 3.11 does not name its OS threads, so /proc alone cannot tell the
+    ingest thread from the HTTP loop; py-spy reads the names from the
+    interpreter (``pip install py-spy``; not a project dependency).
+    """
+    import re
+    import shutil
+
+    pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(pyspy).exists():
+        return {}
+    try:
+        out = subprocess.run([pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r'^Thread (\d+) \([^)]*\): "([^"]*)"', out, re.M)}
+
+
+def _thread_counters(pid: int) -> dict[int, tuple[float, int, int]]:
+    """Per OS thread: CPU seconds, voluntary and involuntary context switches so far (Linux /proc)."""
+    out: dict[int, tuple[float, int, int]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except OSError:
+            continue
+        vol = int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+        invol = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+        out[int(tid)] = ((int(fields[11]) + int(fields[12])) / tick, vol, invol)
+    return out
+
+
+def _thread_rates(names: dict[int, str], before: dict[int, tuple[float, int, int]],
+                  after: dict[int, tuple[float, int, int]], elapsed_s: float) -> dict[str, dict[str, float]]:
+    """Per named thread over a phase: cores busy and context switches a second (voluntary: it
+    blocked, e.g. handing the GIL over or waiting for it; involuntary: preempted)."""
+    out: dict[str, dict[str, float]] = {}
+    other = [0.0, 0.0, 0.0]
+    for tid, (cpu, vol, invol) in after.items():
+        c0, v0, i0 = before.get(tid, (0.0, 0, 0))
+        d = ((cpu - c0) / elapsed_s, (vol - v0) / elapsed_s, (invol - i0) / elapsed_s)
+        name = names.get(tid)
+        if name is None:  # libzmq's I/O threads, uvicorn's workers, ... summed
+            other = [a + b for a, b in zip(other, d, strict=True)]
+            continue
+        out[name] = {"cores": round(d[0], 3), "vol_switches_per_s": round(d[1]), "invol_switches_per_s": round(d[2])}
+    out["(other threads)"] = {"cores": round(other[0], 3), "vol_switches_per_s": round(other[1]),
+                              "invol_switches_per_s": round(other[2])}
+    return out
+
+
 def _summary(values: list[float]) -> dict[str, float]:
     vals = [v for v in values if v == v]
     if not vals:
@@ -674,6 +730,7 @@ def main() -> int:
     streamer = Streamer(args.workers)
     http_port, zmq_ep = free_tcp_port(), f"tcp://127.0.0.1:{free_tcp_port()}"
     router = _start_router(streamer, http_port, zmq_ep, env)
+    thread_names = _thread_names(router.pid)
     rounds: list[dict[str, Any]] = []
     probe_base = 0
     try:
@@ -696,7 +753,10 @@ def main() -> int:
             counters0 = _ingest_counters(http_port)
             hist0 = _visible_buckets(http_port)
             lag0 = _loop_lag_buckets(http_port)
+            threads0, t_threads = _thread_counters(router.pid), time.perf_counter()
             streamer.run(rate, duration + 0.5, probes, probe_base)
+            threads = _thread_rates(thread_names, threads0, _thread_counters(router.pid),
+                                    time.perf_counter() - t_threads)
             lag1 = _loop_lag_buckets(http_port)
             streamed = (streamer.published_blocks - before) / (time.perf_counter() - t0)
             t_stop = time.perf_counter()
@@ -724,7 +784,7 @@ def main() -> int:
                     "lag_at_stop_s": at_stop["max_lag_s"],
                     **{k: after[k] - counters0[k]
                        for k in ("gaps", "resyncs", "events_rejected", "replayed_batches", "shed_batches")},
-                    "workers_not_live": after["not_live"]}
+                    "workers_not_live": after["not_live"], "router_threads": threads}
 
         def query_phase(kind: str) -> dict[str, Any]:
             """/route at saturation over ``kind`` (zmq: a DEALER window; http: wrk), no events."""
@@ -788,6 +848,9 @@ def _summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                         "streamed_blocks_per_s"):
                 if key in row:
                     figures.setdefault(f"ingest[{tag}].{key}", []).append(row[key])
+            for thread, rates in row.get("router_threads", {}).items():
+                for key in ("cores", "vol_switches_per_s"):
+                    figures.setdefault(f"ingest[{tag}].thread[{thread}].{key}", []).append(rates[key])
         for kind in ("zmq", "http"):
             row = rnd.get(f"{kind}_route")
             if row:

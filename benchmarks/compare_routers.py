@@ -252,11 +252,14 @@ def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *
             router_options: Sequence[str] = (), timing: str = "chunked", label: str = "",
             inspect: Callable[[Sequence[str]], dict[str, Any]] | None = None,
             placement: Sequence[str | None] | None = None,
+            on_ready: Callable[[Sequence[str]], None] | None = None,
             ) -> tuple[dict[str, Any], list[RequestRecord]]:
     """One run of one router on a fresh fleet: its summary (and ``inspect(urls)`` before it stops).
 
     ``placement`` (direct only): the engine name each request goes to, e.g.
     the workers a router chose in its own run (None: round robin).
+    ``on_ready(urls)`` is called once the router serves, after the warm-up,
+    right before the replay (e.g. to attach a profiler).
     """
     engine = engine_options(time_scale, timing)
     opts = [engine] * NUM_ENGINES
@@ -285,6 +288,8 @@ def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *
         # the same few short requests before every router's run: first-request costs (lazy
         # imports, first tensor ops, connection pools) are not what is compared
         warm_up(target, MODEL, requests=2 * NUM_ENGINES, text=kind.prompt_format == "text")
+        if on_ready is not None:
+            on_ready(urls)
         progress.start(label or f"{kind.name}/{scenario}")
         outcome = replay(requests, builder, target, progress=progress)
         extra = inspect(urls) if inspect is not None else None

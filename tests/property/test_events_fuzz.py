@@ -108,8 +108,8 @@ def subscriber() -> Iterator[EventSubscriber]:
 @given(frames=st.lists(st.binary(max_size=64), max_size=5))
 def test_subscriber_frame_checks_never_raise(subscriber: EventSubscriber, frames: list[bytes]) -> None:
     before = subscriber.statistics().malformed_total
-    message = subscriber._parse_live(frames)
+    message = subscriber._frames.parse_live(frames)
     after = subscriber.statistics().malformed_total
     assert (message is None) == (after == before + 1)
-    replayed = subscriber._parse_replay([b"", *frames])
+    replayed = subscriber._frames.parse_replay([b"", *frames])
     assert replayed is True or replayed is False or replayed.replayed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 from support import wait_until
 from support.server import batch, stored, tokens
@@ -75,6 +76,36 @@ def test_apply_errors_are_counted_not_fatal() -> None:
         assert queue.flush(5)
         assert seen == [0, 2] and errors == [1]
     finally:
+        queue.stop()
+
+
+def test_drained_items_go_over_in_one_call_in_order_and_failures_are_counted() -> None:
+    gate = threading.Event()
+    calls: list[list[int]] = []
+    errors: list[int] = []
+
+    def apply_many(items: Sequence[SubscriberItem]) -> list[tuple[SubscriberItem, Exception]]:
+        gate.wait(10)
+        calls.append([item.seq for item in items if isinstance(item, BatchReceived)])
+        return [(item, RuntimeError("boom")) for item in items if isinstance(item, BatchReceived) and item.seq == 2]
+
+    def apply(item: SubscriberItem) -> None:
+        raise AssertionError("apply_many takes every item")
+
+    lag = IngestLag(lagging_after_s=1)
+    queue = ApplyQueue(apply, capacity=16, lag=lag, on_error=lambda: errors.append(1), apply_many=apply_many)
+    queue.start()
+    try:
+        now = time.time()
+        queue.put([_item("w", 0, now)])  # taken alone: the thread then waits at the gate
+        wait_until(lambda: queue.depth == 0, 5, what="first item taken")
+        queue.put([_item("w", i, now) for i in range(1, 5)])  # queued meanwhile: one drain
+        gate.set()
+        assert queue.flush(10)
+        assert calls == [[0], [1, 2, 3, 4]] and errors == [1]
+        assert lag.status()["w"].queued == 0
+    finally:
+        gate.set()
         queue.stop()
 
 

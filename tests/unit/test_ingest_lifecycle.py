@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 
+from tokenspeed_router.events.codec import encode_batch
 from tokenspeed_router.events.schema import (
     AllBlocksCleared,
     BlockRemoved,
@@ -14,7 +16,7 @@ from tokenspeed_router.events.schema import (
     KVEventBatch,
 )
 from tokenspeed_router.events.subscriber import BatchReceived, PublisherRestarted, ResyncNeeded
-from tokenspeed_router.router.index import KvIndex
+from tokenspeed_router.router.index import NATIVE_AVAILABLE, KvIndex
 from tokenspeed_router.router.ingest import IndexIngestor, WorkerState
 
 BS = 4
@@ -188,6 +190,36 @@ def test_stale_keeps_entries_and_a_clean_batch_revives(setup) -> None:  # type: 
     assert [s for _, s in changes] == [WorkerState.STALE, WorkerState.LIVE] * 2
     ingestor.remove_worker("w0")
     assert ingestor.statuses() == {} and index.match(a.tokens) == {}
+
+
+@pytest.mark.skipif(not NATIVE_AVAILABLE, reason="the raw path is the compiled core's")
+def test_a_run_out_of_memory_halfway_keeps_what_it_applied_and_counts_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A drain's run stops at a batch that ran out of memory (apply_raw_many answers a MemoryError
+    in its place, the ones before it applied): those stay applied and counted (never applied
+    twice), that one is reported, and the ones after it still apply."""
+    index = KvIndex(core="native")
+    real_many = index.apply_raw_many
+
+    def out_of_memory_at_the_second(jobs: Any) -> list[object]:
+        if len(jobs) < 2:
+            return list(real_many(jobs))
+        return [*real_many(jobs[:1]), MemoryError("out of memory applying a KV event batch")]
+
+    monkeypatch.setattr(index, "apply_raw_many", out_of_memory_at_the_second)
+    ingestor = IndexIngestor(index)
+    first = Chain(1, 1)
+    ingestor.on_item(BatchReceived("w0", 0, batch(first.store()), encode_batch(batch(first.store())), b"",
+                                   1.0, 0, False))
+    chains = [Chain(10 * (k + 1), 1) for k in range(3)]
+    items = [BatchReceived("w0", k + 1, batch(c.store()), encode_batch(batch(c.store())), b"", 1.0, 0, False)
+             for k, c in enumerate(chains)]
+    failed = ingestor.on_items(items)
+    assert [item for item, _ in failed] == [items[1]] and isinstance(failed[0][1], MemoryError)
+    assert [index.match(c.tokens)["w0"] for c in chains] == [1, 0, 1]
+    status = ingestor.status("w0")
+    assert status.batches_applied == 3 and status.events_applied == 3 and status.last_seq == 3
 
 
 def test_log_replay_detects_restarts_gaps_and_duplicates() -> None:

@@ -54,6 +54,26 @@ def test_the_cost_model_hears_every_store_and_removal() -> None:
     assert estimate.capacity_tokens == 4 * BLOCK, "the first eviction learns the engine's capacity"
 
 
+def test_a_drain_is_applied_as_items_one_by_one_and_the_cost_model_hears_it() -> None:
+    """apply_items (the applying thread's drain): same index, states and cost-model belief as apply_item."""
+    one, many = (RoutingCore(RouterConfig(), clock=lambda: 0.0) for _ in range(2))
+    p0, p1 = tokens(5, 4), tokens(6, 2)
+    for core in (one, many):
+        core.add_worker("w0")
+        core.add_worker("w1")
+        for name, prompt in (("r0", p0), ("r1", p1)):  # the cost model believes in engines it routed to
+            core.route(prompt, request_id=name)
+    items = [_item("w0", 0, stored(p0)), _item("w1", 0, stored(p1)), _item("w0", 1, removed(p0, 3, 1)),
+             ResyncNeeded("w1", 1, 3, "no_replay_endpoint", 0), _item("w1", 3, stored(tokens(7, 1)))]
+    for item in items:
+        one.apply_item(item)
+    assert many.apply_items(items) == []
+    assert many.statuses() == one.statuses() and many.index.snapshot() == one.index.snapshot()
+    assert many.is_cold("w1") and not many.is_cold("w0")
+    assert many.engine_estimates() == one.engine_estimates()
+    assert any(e.capacity_tokens == 4 * BLOCK for e in many.engine_estimates().values()), "the removal was heard"
+
+
 def test_records_follow_the_sequence_rules() -> None:
     core = RoutingCore()
     a, b = tokens(1, 1), tokens(2, 1)

@@ -104,16 +104,11 @@ class EventLogWriter:
         self._file: BinaryIO = open(self._path, "wb")  # noqa: SIM115 - owned, closed in close()
         self._file.write(head + _CRC.pack(zlib.crc32(head)))
         self._file.flush()  # a reader may open the log at once
-        self._count = 0
         self._closed = False
 
     @property
     def path(self) -> Path:
         return self._path
-
-    @property
-    def num_records(self) -> int:
-        return self._count
 
     def append(
         self,
@@ -139,7 +134,6 @@ class EventLogWriter:
         if len(body) > _MAX_BODY:
             raise EventLogError(f"record of {len(body)} bytes exceeds the {_MAX_BODY} limit")
         self._file.write(_REC.pack(len(body), zlib.crc32(body)) + body)
-        self._count += 1
 
     def append_record(self, record: LogRecord) -> None:
         """Append a :class:`LogRecord` as is (e.g. when converting a capture)."""

@@ -84,23 +84,21 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
 
 import zmq
 
-from tokenspeed_router.errors import WireError
-from tokenspeed_router.events.codec import BatchDecoder, decode_batch, only_unknown_events
 from tokenspeed_router.events.curve import CurveClientKeys
-from tokenspeed_router.events.frames import (
-    END_SEQ,
-    SEQ_BYTES,
-    decode_seq,
-    encode_seq,
-    ipv6_endpoint,
-    split_replay_frames,
+from tokenspeed_router.events.frame_reader import FrameReader
+from tokenspeed_router.events.frames import decode_seq, ipv6_endpoint
+from tokenspeed_router.events.items import (
+    BatchReceived,
+    PublisherRestarted,
+    ResyncNeeded,
+    SubscriberItem,
+    SubscriberStatistics,
 )
+from tokenspeed_router.events.replay_client import PendingReplay, ReplayClient
 from tokenspeed_router.events.replay_merge import (
     RESYNC_NO_REPLAY,
     RESYNC_REPLAY_INCOMPLETE,
@@ -111,10 +109,10 @@ from tokenspeed_router.events.replay_merge import (
     ReplayPurpose,
     merge_replay,
 )
-from tokenspeed_router.events.schema import KVEventBatch
 from tokenspeed_router.events.sequencing import SequenceTracker, VerdictKind
-from tokenspeed_router.ratelimit import RateLimitedLog
 
+# The items are defined in events/items.py; they are named here too, where every
+# consumer has always imported them from.
 __all__ = [
     "RESYNC_NO_REPLAY",
     "RESYNC_REPLAY_INCOMPLETE",
@@ -131,11 +129,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-try:  # the compiled scanner proves the common payloads well formed without decoding them
-    from tokenspeed_router._native import scan_batch as _scan_batch
-except ImportError:
-    _scan_batch = None  # type: ignore[assignment]
-
 #: Messages handled per process_ready() call: bounds the memory held by one
 #: returned list (decoded batches are large) and keeps a group's polling fair.
 _MAX_MESSAGES_PER_CALL = 256
@@ -143,156 +136,8 @@ _MAX_MESSAGES_PER_CALL = 256
 #: than we can even read must not keep the receiving thread in one call forever).
 _MAX_SHED_PER_CALL = 100_000
 _TRACKER_WINDOW = 16_384
-_LOG_INTERVAL_S = 10.0
 # A join replay nobody answered is asked again, backing off from replay_timeout_s up to this.
 _JOIN_RETRY_MAX_S = 30.0
-
-
-# --------------------------------------------------------------------- items
-
-
-class BatchReceived:
-    """One batch, delivered in sequence order (``replayed``: it came through replay).
-
-    ``batch`` is decoded on first use when the subscriber did not need to:
-    a payload the native scanner (``_native.scan_batch``) proved well formed
-    is handed on undecoded, with its timestamp in ``batch_ts``, so the index
-    can apply it without a Python object per block (``KvIndex.apply_raw``).
-    Treat it as immutable (equality and hashing are by value).
-    """
-
-    __slots__ = ("_batch", "batch_ts", "epoch", "payload", "recv_time_s", "replayed", "seq", "topic", "worker")
-
-    def __init__(
-        self,
-        worker: str,
-        seq: int,
-        batch: KVEventBatch | None,
-        payload: bytes,
-        topic: bytes,
-        recv_time_s: float,
-        epoch: int,
-        replayed: bool,
-        batch_ts: float | None = None,
-    ) -> None:
-        if batch is None and batch_ts is None:
-            raise ValueError("an undecoded BatchReceived needs its batch_ts")
-        self.worker = worker
-        self.seq = seq
-        self._batch = batch
-        self.payload = payload
-        self.topic = topic
-        self.recv_time_s = recv_time_s
-        self.epoch = epoch
-        self.replayed = replayed
-        #: the publisher's timestamp of the batch (its wall clock, seconds)
-        self.batch_ts: float = batch.ts if batch is not None else batch_ts  # type: ignore[assignment]
-
-    @property
-    def batch(self) -> KVEventBatch:
-        """The decoded batch (decoded now if it was handed on undecoded)."""
-        b = self._batch
-        if b is None:
-            b = self._batch = decode_batch(self.payload)  # proved decodable by the scanner
-        return b
-
-    @property
-    def decoded(self) -> bool:
-        """Whether ``batch`` is already decoded."""
-        return self._batch is not None
-
-    def _key(self) -> tuple[object, ...]:
-        return (self.worker, self.seq, self.payload, self.topic, self.recv_time_s, self.epoch, self.replayed)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, BatchReceived):
-            return NotImplemented
-        return self._key() == other._key() and (
-            self.payload != b"" or self.batch == other.batch  # items built without a payload (tests, tools)
-        )
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __repr__(self) -> str:
-        return (
-            f"BatchReceived(worker={self.worker!r}, seq={self.seq}, batch_ts={self.batch_ts}, "
-            f"payload=<{len(self.payload)} bytes>, epoch={self.epoch}, replayed={self.replayed})"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class PublisherRestarted:
-    """The publisher's seq went backwards: clear the worker before applying later items."""
-
-    worker: str
-    last_seq: int
-    new_seq: int
-    epoch: int
-
-
-@dataclass(frozen=True, slots=True)
-class ResyncNeeded:
-    """Batches ``[expected_seq, got_seq)`` are lost for good: clear the worker.
-
-    Later batches are applied to the cleared state; the worker is resyncing
-    until its state is consistent again.
-    """
-
-    worker: str
-    expected_seq: int
-    got_seq: int
-    reason: str
-    epoch: int
-
-
-SubscriberItem = BatchReceived | PublisherRestarted | ResyncNeeded
-
-
-@dataclass(frozen=True, slots=True)
-class SubscriberStatistics:
-    """A snapshot of one subscriber's counters."""
-
-    worker: str
-    received: int
-    """Messages read from the SUB socket (good or bad)."""
-    delivered: int
-    """BatchReceived items emitted (live and replayed)."""
-    replayed: int
-    """Of which came through replay."""
-    duplicates: int
-    malformed: Mapping[str, int]
-    """Skipped messages by reason (frame_count, seq_length, topic, payload_size,
-    payload_decode, no_known_events, replay_frame)."""
-    gaps: int
-    replay_requests: int
-    replay_timeouts: int
-    resyncs: int
-    restarts: int
-    last_seq: int | None
-    epoch: int
-    replaying: bool
-    held: int
-    """Live messages held while a replay is in flight."""
-    last_recv_time_s: float | None
-    shed: int = 0
-    """Live batches dropped undecoded by :meth:`EventSubscriber.shed_backlog`."""
-
-    @property
-    def malformed_total(self) -> int:
-        return sum(self.malformed.values())
-
-
-# ------------------------------------------------------------------ internals
-
-
-@dataclass(slots=True)
-class _Replay:
-    start_seq: int
-    purpose: ReplayPurpose
-    target_seq: int | None  # the live seq that triggered it (held, merged at the end)
-    deadline: float  # time.monotonic()
-    items: list[Message]
 
 
 class _Fillers:
@@ -344,9 +189,6 @@ class EventSubscriber:
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
         self._topic = topic.encode()
-        self._replay_timeout_s = replay_timeout_s
-        self._max_payload_bytes = max_payload_bytes
-        self._curve = curve
         self._owns_context = context is None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = context if context is not None else zmq.Context()
 
@@ -363,33 +205,28 @@ class EventSubscriber:
             self._sub.get_monitor_socket(monitor_events) if monitor_events else None
         )
         self._sub.connect(endpoint)
-        self._dealer: zmq.Socket[bytes] | None = None
-
-        self._decoder = BatchDecoder()
         self._tracker = SequenceTracker(start_seq, window=_TRACKER_WINDOW)
+        self._frames = FrameReader(worker, self._topic, max_payload_bytes, self._tracker.note_filler)
+        self._replays = ReplayClient(
+            worker, replay_endpoint, self._ctx, self._frames, timeout_s=replay_timeout_s, curve=curve
+        )
+
         self._start_seq = start_seq
         self._joined = start_seq is not None
         self._started = False
-        self._replay: _Replay | None = None
         self._held: deque[Message] = deque()
-        self._limiter = RateLimitedLog(logger, _LOG_INTERVAL_S)
         self._closed = False
         self._verify_pending = False
         self._join_retry_at: float | None = None  # time.monotonic() of the next join replay
         self._join_backoff_s = replay_timeout_s
 
-        self._received = 0
         self._delivered = 0
         self._replayed = 0
         self._duplicates = 0
-        self._malformed: dict[str, int] = {}
         self._gaps = 0
-        self._replay_requests = 0
-        self._replay_timeouts = 0
         self._resyncs = 0
         self._restarts = 0
         self._shed = 0
-        self._last_recv_time_s: float | None = None
 
     # ----------------------------------------------------------------- public
 
@@ -430,9 +267,8 @@ class EventSubscriber:
 
     def poll_sockets(self) -> list[zmq.Socket[bytes]]:
         """Sockets an external poller must watch (SUB, plus DEALER during a replay)."""
-        if self._replay is not None and self._dealer is not None:
-            return [self._sub, self._dealer]
-        return [self._sub]
+        dealer = self._replays.socket
+        return [self._sub] if dealer is None else [self._sub, dealer]
 
     def timeout_hint_s(self) -> float | None:
         """How long an external poller may wait before calling :meth:`process_ready`.
@@ -442,8 +278,9 @@ class EventSubscriber:
         """
         if self.needs_processing():
             return 0.0
-        if self._replay is not None:
-            return max(0.0, self._replay.deadline - time.monotonic())
+        replay = self._replays.pending
+        if replay is not None:
+            return max(0.0, replay.deadline - time.monotonic())
         if self._join_retry_at is not None and not self._joined:  # a join replay is due then
             return max(0.0, self._join_retry_at - time.monotonic())
         return None
@@ -454,9 +291,10 @@ class EventSubscriber:
             return False
         if not self._started and self._replay_endpoint is not None:
             return True
-        if self._replay is None:
+        replay = self._replays.pending
+        if replay is None:
             return bool(self._held) or self._verify_pending or self._join_retry_due()
-        return time.monotonic() >= self._replay.deadline
+        return time.monotonic() >= replay.deadline
 
     def connection_reset(self) -> None:
         """Say that the SUB connection was re-established (for a caller that
@@ -498,10 +336,10 @@ class EventSubscriber:
         if not self._started:
             self._started = True
             self._catch_up(out)
-        elif self._replay is None and not self._held and self._join_retry_due():
+        elif self._replays.pending is None and not self._held and self._join_retry_due():
             self._join_retry_at = None
             self._start_join(out)
-        if self._verify_pending and self._replay is None:
+        if self._verify_pending and self._replays.pending is None:
             self._verify_pending = False
             last = self._tracker.last_seq
             if self._joined and last is not None:
@@ -513,12 +351,12 @@ class EventSubscriber:
                 frames = self._sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            message = self._parse_live(frames)
+            message = self._frames.parse_live(frames)
             if message is None:
                 continue
             self._held.append(message)
             self._drain_held(out)
-        if self._replay is not None:
+        if self._replays.pending is not None:
             self._pump_replay(out)
             self._drain_held(out)
         return out
@@ -539,7 +377,7 @@ class EventSubscriber:
         message that stopped the drop led to).
         """
         out: list[SubscriberItem] = []
-        if self._closed or self._replay is not None or not self._joined or self._held:
+        if self._closed or self._replays.pending is not None or not self._joined or self._held:
             return out
         first: int | None = None
         last = -1
@@ -548,22 +386,16 @@ class EventSubscriber:
                 frames = self._sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if (
-                len(frames) != 3
-                or len(frames[1]) != SEQ_BYTES
-                or (self._topic and frames[0] != self._topic)
-                or len(frames[2]) > self._max_payload_bytes
-            ):
-                self._parse_live(frames)  # counts and logs the malformed frame the usual way
+            if not self._frames.well_shaped(frames):
+                self._frames.parse_live(frames)  # counts and logs the malformed frame the usual way
                 continue
             seq = decode_seq(frames[1])
             if self._tracker.classify(seq, frames[2]).kind is not VerdictKind.IN_ORDER:
-                message = self._parse_live(frames)
+                message = self._frames.parse_live(frames)
                 if message is not None:
                     self._held.append(message)
                 break
-            self._received += 1
-            self._last_recv_time_s = time.time()
+            self._frames.note_received()
             self._tracker.observe(seq, frames[2])
             self._shed += 1
             if first is None:
@@ -577,21 +409,21 @@ class EventSubscriber:
     def statistics(self) -> SubscriberStatistics:
         return SubscriberStatistics(
             worker=self._worker,
-            received=self._received,
+            received=self._frames.received,
             delivered=self._delivered,
             replayed=self._replayed,
             duplicates=self._duplicates,
-            malformed=MappingProxyType(dict(self._malformed)),
+            malformed=MappingProxyType(dict(self._frames.malformed)),
             gaps=self._gaps,
-            replay_requests=self._replay_requests,
-            replay_timeouts=self._replay_timeouts,
+            replay_requests=self._replays.requests,
+            replay_timeouts=self._replays.timeouts,
             resyncs=self._resyncs,
             restarts=self._restarts,
             last_seq=self._tracker.last_seq,
             epoch=self._tracker.epoch,
-            replaying=self._replay is not None,
+            replaying=self._replays.pending is not None,
             held=len(self._held),
-            last_recv_time_s=self._last_recv_time_s,
+            last_recv_time_s=self._frames.last_recv_time_s,
             shed=self._shed,
         )
 
@@ -607,9 +439,7 @@ class EventSubscriber:
                 pass
             self._monitor.close(linger=0)
         self._sub.close(linger=0)
-        if self._dealer is not None:
-            self._dealer.close(linger=0)
-            self._dealer = None
+        self._replays.reset()
         if self._owns_context:
             self._ctx.term()
 
@@ -630,88 +460,10 @@ class EventSubscriber:
             f"replay_endpoint={self._replay_endpoint!r})"
         )
 
-    # ------------------------------------------------------------- parsing
-
-    def _malformed_frame(self, reason: str, detail: str, *args: object) -> None:
-        self._malformed[reason] = self._malformed.get(reason, 0) + 1
-        self._limiter.log(
-            logging.WARNING, reason,
-            "kv subscriber worker=%s: skipping malformed message (%s): " + detail,
-            self._worker, reason, *args,
-        )
-
-    def _parse_live(self, frames: list[bytes]) -> Message | None:
-        now = time.time()
-        self._received += 1
-        self._last_recv_time_s = now
-        if len(frames) != 3:
-            self._malformed_frame(
-                "frame_count", "expected 3 frames [topic, seq, payload], got %d", len(frames)
-            )
-            return None
-        topic, seq_frame, payload = frames
-        return self._check(topic, seq_frame, payload, now, replayed=False)
-
-    def _check(
-        self, topic: bytes, seq_frame: bytes, payload: bytes, now: float, *, replayed: bool
-    ) -> Message | None:
-        if self._topic and topic != self._topic:
-            self._malformed_frame("topic", "expected topic %r, got %r", self._topic, topic[:64])
-            return None
-        if len(seq_frame) != SEQ_BYTES:
-            self._malformed_frame(
-                "seq_length", "seq frame must be %d bytes, got %d", SEQ_BYTES, len(seq_frame)
-            )
-            return None
-        if len(payload) > self._max_payload_bytes:
-            self._malformed_frame(
-                "payload_size", "payload of %d bytes exceeds max_payload_bytes=%d",
-                len(payload), self._max_payload_bytes,
-            )
-            return None
-        seq = decode_seq(seq_frame)
-        ts = _scan_batch(payload) if _scan_batch is not None else None
-        batch: KVEventBatch | None = None
-        if ts is None:  # not provably the common case: the typed decoder decides
-            unknown_before = self._decoder.unknown_events
-            try:
-                batch = self._decoder.decode(payload)
-            except WireError as err:
-                self._malformed_frame("payload_decode", "%s", err)
-                return None
-            if only_unknown_events(batch, payload):
-                # Nothing to apply: no evidence of a restart or a gap either (sequencing.py).
-                self._tracker.note_filler(seq)
-                self._malformed_frame(
-                    "no_known_events", "batch seq %d carries only events of kinds this router does "
-                    "not know (%d); skipped, it moves nothing",
-                    seq, self._decoder.unknown_events - unknown_before,
-                )
-                return None
-            ts = batch.ts
-        return Message(seq, payload, batch, topic, now, replayed, ts)
-
-    def _parse_replay(self, frames: list[bytes]) -> Message | bool:
-        """A replayed message, True for the end marker, False for a skipped frame."""
-        split = split_replay_frames(frames)
-        if split is None:
-            self._malformed_frame(
-                "replay_frame",
-                "expected [b'', topic, seq, payload] or [b'', seq, payload], got %d frames",
-                len(frames),
-            )
-            return False
-        topic_frame, seq_frame, payload = split
-        if seq_frame == END_SEQ:
-            return True
-        topic = self._topic if topic_frame is None else topic_frame
-        message = self._check(topic, seq_frame, payload, time.time(), replayed=True)
-        return False if message is None else message
-
     # ------------------------------------------------------------ sequencing
 
     def _drain_held(self, out: list[SubscriberItem]) -> None:
-        while self._replay is None and self._held:
+        while self._replays.pending is None and self._held:
             self._on_live(self._held.popleft(), out)
 
     def _on_live(self, message: Message, out: list[SubscriberItem]) -> None:
@@ -802,7 +554,7 @@ class EventSubscriber:
 
     def _resync(self, out: list[SubscriberItem], expected: int, got: int, reason: str) -> None:
         self._resyncs += 1
-        self._limiter.log(
+        self._frames.limiter.log(
             logging.WARNING, ("resync", reason),
             "kv subscriber worker=%s: batches %d..%d lost (%s); worker needs resync",
             self._worker, expected, got - 1, reason,
@@ -836,76 +588,20 @@ class EventSubscriber:
     def _start_replay(
         self, start_seq: int, purpose: ReplayPurpose, target_seq: int | None, out: list[SubscriberItem]
     ) -> None:
-        self._replay_requests += 1
-        self._replay = _Replay(
-            start_seq, purpose, target_seq, time.monotonic() + self._replay_timeout_s, []
-        )
-        dealer = self._ensure_dealer()
-        try:
-            dealer.send_multipart((b"", encode_seq(start_seq)), zmq.NOBLOCK)
-        except zmq.ZMQError as err:
-            logger.warning(
-                "kv subscriber worker=%s: cannot send replay request: %s", self._worker, err
-            )
-            self._reset_dealer()
+        if not self._replays.start(start_seq, purpose, target_seq):
             self._finish_replay(out, RESYNC_REPLAY_TIMEOUT)
-            return
-        logger.debug(
-            "kv subscriber worker=%s: replay requested from seq %d (%s, up to %s)",
-            self._worker, start_seq, purpose, target_seq,
-        )
-
-    def _ensure_dealer(self) -> zmq.Socket[bytes]:
-        if self._dealer is None:
-            assert self._replay_endpoint is not None
-            dealer = self._ctx.socket(zmq.DEALER)
-            dealer.linger = 0
-            dealer.setsockopt(zmq.RCVHWM, 0)  # a full ring must never be cut short
-            if ipv6_endpoint(self._replay_endpoint):
-                dealer.setsockopt(zmq.IPV6, 1)
-            if self._curve is not None:
-                self._curve.apply(dealer)
-            dealer.connect(self._replay_endpoint)
-            self._dealer = dealer
-        return self._dealer
-
-    def _reset_dealer(self) -> None:
-        """Drop the DEALER so that a late reply can never answer the next request."""
-        if self._dealer is not None:
-            self._dealer.close(linger=0)
-            self._dealer = None
 
     def _pump_replay(self, out: list[SubscriberItem]) -> None:
-        replay = self._replay
-        if replay is None:
-            return
-        dealer = self._dealer
-        while dealer is not None:
-            try:
-                frames = dealer.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            parsed = self._parse_replay(frames)
-            if parsed is True:
-                self._finish_replay(out, None)
-                return
-            if isinstance(parsed, Message):
-                replay.items.append(parsed)
-        if time.monotonic() >= replay.deadline:
-            self._replay_timeouts += 1
-            logger.warning(
-                "kv subscriber worker=%s: replay from seq %d not answered within %.1fs",
-                self._worker, replay.start_seq, self._replay_timeout_s,
-            )
-            self._reset_dealer()
+        outcome = self._replays.pump()
+        if outcome == "done":
+            self._finish_replay(out, None)
+        elif outcome == "timeout":
             self._finish_replay(out, RESYNC_REPLAY_TIMEOUT)
 
     def _finish_replay(self, out: list[SubscriberItem], failure: str | None) -> None:
         """Merge the replayed batches with the live ones held meanwhile, deliver
         them in seq order, and report whatever neither could supply."""
-        replay = self._replay
-        assert replay is not None
-        self._replay = None
+        replay = self._replays.take()
         if replay.purpose is ReplayPurpose.VERIFY:
             if replay.start_seq > 0 and failure is None and not replay.items:
                 # it holds nothing from our last seq on: a new process still below it? compare from 0
@@ -954,7 +650,7 @@ class EventSubscriber:
             self._tracker.jump_to(step.got)
 
     def _verified_restart(
-        self, replay: _Replay, failure: str | None, out: list[SubscriberItem]
+        self, replay: PendingReplay, failure: str | None, out: list[SubscriberItem]
     ) -> bool:
         """After a reconnect: do the publisher's batches differ from those delivered
         under the same seqs? If so, report the restart and expect seq 0 next."""

@@ -23,7 +23,9 @@ What is wired here, once:
   ``role_of(name)`` says (``both`` unless told).
 
 Two doors in: :meth:`apply_item` (a live subscriber item: the subscriber has
-already sequenced it) and :meth:`apply_record` (a recorded batch: the
+already sequenced it; :meth:`apply_items` for a drain of them, applied in
+order with the locks taken once and runs of batches in one native call) and
+:meth:`apply_record` (a recorded batch: the
 ingestor applies the same sequence rules, ``events/sequencing.py``). The
 simulator delivers its engines' batches through :meth:`apply_record`, the
 door a log replay uses, with the same rules for restarts and gaps.
@@ -42,7 +44,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -194,6 +196,19 @@ class RoutingCore:
                 if isinstance(item, BatchReceived) and item.replayed:
                     self._replayed[item.worker] = self._replayed.get(item.worker, 0) + 1
             self._ingestor.on_item(item)  # the index locks per event: queries run meanwhile
+
+    def apply_items(self, items: Sequence[SubscriberItem]) -> list[tuple[SubscriberItem, Exception]]:
+        """Apply live items in order, as :meth:`apply_item` one by one would (the applying
+        thread's drain): the locks taken once for the drain, runs of live batches applied
+        by the index in one native call (``IndexIngestor.on_items``). Returns the items
+        that failed, with their errors (the others are applied whatever one of them did)."""
+        with self._ingest_lock:
+            with self._lock:
+                for item in items:
+                    self._ensure(item.worker)
+                    if isinstance(item, BatchReceived) and item.replayed:
+                        self._replayed[item.worker] = self._replayed.get(item.worker, 0) + 1
+            return self._ingestor.on_items(items)  # the index locks per event: queries run meanwhile
 
     def apply_record(
         self, worker: str, seq: int, batch: KVEventBatch, recv_time_s: float, *, payload: bytes | None = None

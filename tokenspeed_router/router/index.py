@@ -120,7 +120,13 @@ _UNKNOWN_REMOVALS, _UNKNOWN_PARENTS, _DUPLICATES, _TIER_MISMATCHES, _BS_MISMATCH
 
 
 class ApplyStats(NamedTuple):
-    """What one ``apply`` did (counts of blocks, not bytes)."""
+    """What one ``apply`` did (counts of blocks, not bytes).
+
+    ``blocks``: the worker's blocks held right after the batch (``num_blocks``
+    then), -1 when not known (a batch refused whole). The engine belief reads
+    its cache size from it on a removal (``Router.on_index_applied``) instead
+    of asking the index again.
+    """
 
     events: int
     stored_blocks: int
@@ -128,6 +134,7 @@ class ApplyStats(NamedTuple):
     removed_blocks: int
     unknown_removals: int
     cleared: int
+    blocks: int = -1
 
 
 class RawApplied(NamedTuple):
@@ -371,7 +378,7 @@ class KvIndex:
         counts[_DUPLICATES] += dup
         for i, v in enumerate(counts):
             mine[i] += v
-        return ApplyStats(len(events), stored, dup, removed, unknown, cleared)
+        return ApplyStats(len(events), stored, dup, removed, unknown, cleared, self.worker_info(worker).blocks)
 
     def apply_raw(self, worker: str, payload: bytes, *, salvage: bool = False) -> RawApplied | None:
         """Apply an undecoded msgpack batch in the compiled core, or say None (nothing changed).
@@ -405,10 +412,33 @@ class KvIndex:
             mine[_TIER_MISMATCHES] += mismatch
             mine[_DUPLICATES] += dup
             mine[_UNKNOWN_PARENTS] += rejected
-            stats = ApplyStats(events, stored, dup, removed, unknown, cleared)
+            stats = ApplyStats(events, stored, dup, removed, unknown, cleared, self.worker_info(worker).blocks)
         return RawApplied(
             ts, stats, bool(flags & 1), bool(flags & 2), bool(refused), rejected, last_clear, last_reject
         )
+
+    def apply_raw_many(self, jobs: Sequence[tuple[str, bytes]]) -> list[RawApplied | Exception | None]:
+        """:meth:`apply_raw` each ``(worker, payload)`` in order, as one call.
+
+        Stops after the first job the raw path cannot take (its entry is None,
+        nothing of it changed), that was refused whole (``unknown_parent``) or
+        that ran out of memory (the :class:`MemoryError` in its place, nothing
+        of it applied): the caller decides what that batch needs (the typed
+        path, a resync and a salvage) before the jobs after it, which are not
+        tried. So the answer has one entry per job tried, never more than
+        ``len(jobs)``, and every job before the last entry was applied.
+        """
+        out: list[RawApplied | Exception | None] = []
+        for worker, payload in jobs:
+            try:
+                got = self.apply_raw(worker, payload)
+            except MemoryError as err:
+                out.append(err)
+                break
+            out.append(got)
+            if got is None or got.unknown_parent:
+                break
+        return out
 
     def _validate(self, worker: str, ev: Event) -> None:
         """Reject a malformed event before anything of the batch is applied."""

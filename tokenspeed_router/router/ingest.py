@@ -59,7 +59,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -231,6 +231,9 @@ class IndexIngestor:
         self._on_cleared = on_cleared
         self._tracks: dict[str, _Track] = {}
         self._raw: Callable[..., RawApplied | None] | None = getattr(index, "apply_raw", None) if raw else None
+        self._raw_many: Callable[[Sequence[tuple[str, bytes]]], list[RawApplied | Exception | None]] | None = (
+            getattr(index, "apply_raw_many", None) if raw else None
+        )
         #: live batches applied through the raw path (the rest were decoded)
         self.raw_batches = 0
 
@@ -263,6 +266,71 @@ class IndexIngestor:
             )
         else:
             raise TypeError(f"not a subscriber item: {type(item).__name__}")
+
+    def on_items(self, items: Sequence[SubscriberItem]) -> list[tuple[SubscriberItem, Exception]]:
+        """Fold ``items`` in delivery order, as :meth:`on_item` one by one would.
+
+        Runs of live batches the raw path may take go to the index in one
+        ``apply_raw_many`` call (one GIL-free section for the run, not one per
+        batch); whatever a batch needs beyond that (the typed path, a resync
+        and a salvage) is done before the next one is tried. An item that
+        raises does not stop the others: the pairs ``(item, error)`` are
+        returned for the caller to count (``ApplyQueue`` counts one per item).
+        """
+        failed: list[tuple[SubscriberItem, Exception]] = []
+        n = len(items)
+        i = 0
+        while i < n:
+            item = items[i]
+            run_end = i
+            if self._raw_many is not None:
+                while run_end < n:
+                    nxt = items[run_end]
+                    if not (isinstance(nxt, BatchReceived) and nxt.payload):
+                        break
+                    run_end += 1
+            if run_end - i < 2:  # nothing to gain from a run of one
+                try:
+                    self.on_item(item)
+                except Exception as err:
+                    failed.append((item, err))
+                i += 1
+                continue
+            i = self._apply_run(items, i, run_end, failed)
+        return failed
+
+    def _apply_run(
+        self, items: Sequence[SubscriberItem], start: int, end: int, failed: list[tuple[SubscriberItem, Exception]]
+    ) -> int:
+        """``items[start:end]`` (live batches with payloads) through ``apply_raw_many``;
+        returns the index of the first item not folded yet."""
+        assert self._raw_many is not None
+        run = items[start:end]
+        try:
+            results = self._raw_many([(b.worker, b.payload) for b in run])  # type: ignore[union-attr]
+        except Exception:  # raised before applying anything (its contract): take the run one by one
+            for item in run:
+                try:
+                    self.on_item(item)
+                except Exception as err:
+                    failed.append((item, err))
+            return end
+        for item, got in zip(run, results, strict=False):
+            assert isinstance(item, BatchReceived)
+            t = self._track(item.worker)
+            t.epoch = item.epoch
+            t.last_seq = item.seq
+            try:
+                if isinstance(got, Exception):  # out of memory: nothing of that batch applied
+                    raise got
+                if got is None:
+                    self._apply(item.worker, t, item.batch, item.recv_time_s)
+                else:
+                    self.raw_batches += 1
+                    self._raw_applied(item.worker, t, item, got)
+            except Exception as err:
+                failed.append((item, err))
+        return start + max(1, len(results))
 
     def on_record(
         self,
@@ -434,24 +502,29 @@ class IndexIngestor:
         if got is None:
             return False
         self.raw_batches += 1
+        self._raw_applied(worker, t, item, got)
+        return True
+
+    def _raw_applied(self, worker: str, t: _Track, item: BatchReceived, got: RawApplied) -> None:
+        """The bookkeeping of a batch the raw path took (applied, or refused whole)."""
+        assert self._raw is not None
         t.last_batch_ts = got.ts
         t.last_recv_time_s = item.recv_time_s
         if not got.unknown_parent:
             self._applied(worker, t, got.stats.events, got.stats, clears=got.clears_everything, stores=got.stores)
-            return True
+            return
         t.batches_rejected += 1
         if t.state is not WorkerState.RESYNCING:
             self._resync(worker, t, "batch rejected: a BlockStored's parent is not held")
         salvaged = self._raw(worker, item.payload, salvage=True)
         if salvaged is None:  # cannot be told apart from here: let the typed salvage decide
             self._salvage(worker, t, item.batch)
-            return True
+            return
         t.events_rejected += salvaged.rejected
         t.events_applied += salvaged.stats.events - salvaged.rejected
         t.clean_batches = 0
         if salvaged.last_clear > salvaged.last_reject and t.state is WorkerState.RESYNCING:
             self._set_state(worker, t, WorkerState.LIVE)
-        return True
 
     def _applied(self, worker: str, t: _Track, events: int, stats: object, *, clears: bool, stores: bool) -> None:
         """A batch applied whole: count it and move the worker's state (``clears``:

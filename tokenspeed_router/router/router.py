@@ -724,16 +724,22 @@ class Router:
 
         ``stats`` is ``KvIndex.apply``'s :class:`~tokenspeed_router.router.index.ApplyStats`:
         its stores end the predictions they confirm, its removals tell the
-        engine's capacity (router/cost.py).
+        engine's capacity (router/cost.py). The worker's blocks after the batch
+        come with it (``ApplyStats.blocks``, counted by the apply itself); the
+        index is asked again only when a caller's stats lack them.
         """
         removed = getattr(stats, "removed_blocks", 0)
         held = None
         bs = 0
         if removed and self._index is not None:
-            count = getattr(self._index, "num_blocks", None)
             bs_of = getattr(self._index, "block_size_of", None)
             bs = (bs_of(worker) if bs_of is not None else None) or 0
-            held = int(count(worker)) if count is not None else None
+            blocks = getattr(stats, "blocks", -1)
+            if blocks >= 0:
+                held = int(blocks)
+            else:
+                count = getattr(self._index, "num_blocks", None)
+                held = int(count(worker)) if count is not None else None
         self._cost.applied(worker, getattr(stats, "stored_blocks", 0), removed, held, bs)
 
     def on_index_cleared(self, worker: str) -> None:

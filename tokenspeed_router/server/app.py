@@ -57,7 +57,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -116,10 +116,11 @@ SinkFactory = Callable[["RouterService"], IngestSink]
 
 
 class LocalIngestSink:
-    """Default sink: apply in this process."""
+    """Default sink: apply in this process (``submit_many``: a drain of the apply queue at once)."""
 
     def __init__(self, service: RouterService) -> None:
         self._apply = service.apply_item
+        self.submit_many = service.apply_items
 
     def submit(self, item: SubscriberItem) -> None:
         self._apply(item)
@@ -270,6 +271,8 @@ class RouterService:
         self._loop = IngestLoop(
             context=self._ctx,
             submit=self._submit,
+            # a sink that can take a drain at once (the local one; not the recorder or a state backend)
+            submit_many=getattr(self._sink, "submit_many", None),
             on_stale=self._mark_stale,
             on_error=self.metrics.ingest_errors.inc,
             stale_after_s=self.config.stale_after_s,
@@ -451,6 +454,16 @@ class RouterService:
         if isinstance(item, BatchReceived) and item.batch_ts > 0:
             # publisher's timestamp -> visible to queries (same host clock assumed)
             self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch_ts))
+
+    def apply_items(self, items: Sequence[SubscriberItem]) -> list[tuple[SubscriberItem, Exception]]:
+        """Apply a drain of subscriber items in order (``RoutingCore.apply_items``); the failed ones back."""
+        failed = self._core.apply_items(items)
+        now = self._wall_clock()
+        visible = self.metrics.queries.visible_delay
+        for item in items:
+            if isinstance(item, BatchReceived) and item.batch_ts > 0:
+                visible.observe(max(0.0, now - item.batch_ts))
+        return failed
 
     def apply_record(
         self, worker: str, seq: int, batch: KVEventBatch, recv_time_s: float, *, payload: bytes | None = None

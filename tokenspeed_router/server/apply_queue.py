@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokenspeed_router.events.subscriber import BatchReceived, ResyncNeeded, SubscriberItem
@@ -48,6 +48,11 @@ logger = logging.getLogger(__name__)
 
 #: length of one window of the clock-offset estimate (the minimum over the last one or two)
 OFFSET_WINDOW_S = 30.0
+#: items handed to ``apply_many`` at most per call (bounds the time the receiver waits for room)
+_DRAIN_MAX = 512
+
+#: ``apply_many(items) -> [(item, error), ...]``: apply in order, report the items that failed
+ApplyMany = Callable[[Sequence[SubscriberItem]], Sequence[tuple[SubscriberItem, Exception]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +176,11 @@ class ApplyQueue:
 
     ``apply(item)`` is the ingest sink's ``submit``; an exception there is
     counted through ``on_error`` and logged (rate limited), never fatal.
+    With ``apply_many`` the thread takes everything queued (up to 512 items)
+    at each wake-up and hands it over in one call, which applies the items
+    in order and reports those that failed (counted the same way): one
+    wake-up, one lock round and (with the native core) one GIL-free section
+    per drain instead of per batch.
     """
 
     def __init__(
@@ -181,10 +191,12 @@ class ApplyQueue:
         lag: IngestLag,
         on_error: Callable[[], None],
         clock: Callable[[], float] = time.time,
+        apply_many: ApplyMany | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self._apply = apply
+        self._apply_many = apply_many
         self._capacity = capacity
         self._lag = lag
         self._on_error = on_error
@@ -261,28 +273,48 @@ class ApplyQueue:
         return True
 
     def _run(self) -> None:
+        take = _DRAIN_MAX if self._apply_many is not None else 1
         while True:
             with self._cond:
                 while not self._items and not self._stop:
                     self._cond.wait()
                 if not self._items:
                     return
-                item = self._items.popleft()
+                queued = self._items
+                batch = [queued.popleft() for _ in range(min(take, len(queued)))]
                 self._cond.notify_all()  # room for a waiting put
-            try:
-                self._apply(item)
-            except Exception:
-                self._error(item)
-            self._lag.applied(item, self._clock())
+            self._apply_batch(batch)
+            now = self._clock()
+            for item in batch:
+                self._lag.applied(item, now)
             with self._cond:
-                self._done_total += 1
+                self._done_total += len(batch)
                 if self._done_total == self._put_total:
                     self._cond.notify_all()  # a flush may be waiting
 
-    def _error(self, item: SubscriberItem) -> None:
+    def _apply_batch(self, batch: list[SubscriberItem]) -> None:
+        if self._apply_many is None:
+            for item in batch:
+                try:
+                    self._apply(item)
+                except Exception:
+                    self._error(item)
+            return
+        try:
+            failed = self._apply_many(batch)
+        except Exception:  # the call itself broke: nothing tells which items landed
+            self._error(batch[0])
+            return
+        for item, err in failed:
+            self._error(item, err)
+
+    def _error(self, item: SubscriberItem, err: BaseException | None = None) -> None:
+        """Count one failed item; log it (rate limited: one traceback per 5 s). ``err``:
+        the error when it was caught elsewhere (``apply_many``), else the one being handled."""
         self._on_error()
         now = time.monotonic()
-        if now - self._last_error_log >= 5.0:  # rate limited: one traceback per 5 s
+        if now - self._last_error_log >= 5.0:
             self._last_error_log = now
             kind = "resync" if isinstance(item, ResyncNeeded) else type(item).__name__
-            logger.exception("worker=%s applying a %s failed", item.worker, kind)
+            logger.error("worker=%s applying a %s failed", item.worker, kind,
+                         exc_info=err if err is not None else True)

@@ -92,17 +92,6 @@ class ZmqRouterClient:
                 raise RouterApiError(status, str(reply.get("error", "unknown error")))
             return reply.get("result")
 
-    def send_raw(self, payload: bytes) -> None:
-        """Send raw bytes as a request (tests and load generators)."""
-        self._sock.send(payload)
-
-    def recv_raw(self, timeout_s: float | None = None) -> Any:
-        """Receive and decode one reply (tests and load generators)."""
-        timeout_ms = self._timeout_ms if timeout_s is None else int(timeout_s * 1000)
-        if not self._poller.poll(timeout_ms):
-            raise TimeoutError("no reply")
-        return self._dec.decode(self._sock.recv())
-
     def match(self, token_ids: Sequence[int] | Any, *, lora_id: int | str | None = None, salt: str | None = None) -> Any:
         return self.call("match", **_body(token_ids, lora_id, salt))
 

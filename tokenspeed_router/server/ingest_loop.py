@@ -75,7 +75,7 @@ from tokenspeed_router.events.subscriber import (
     SubscriberStatistics,
 )
 from tokenspeed_router.events.subscriber_group import SubscriberGroup
-from tokenspeed_router.server.apply_queue import ApplyQueue, IngestLag, LagStatus
+from tokenspeed_router.server.apply_queue import ApplyMany, ApplyQueue, IngestLag, LagStatus
 from tokenspeed_router.server.config import SubscriberSpec
 
 __all__ = ["IngestLoop", "StreamState"]
@@ -128,7 +128,8 @@ class IngestLoop:
     """Polls all subscribers and hands every item to ``submit`` (in delivery order).
 
     ``submit`` runs on the applying thread (``tokenspeed-apply``), fed through
-    a queue of ``queue_capacity`` items. ``on_stale(name)`` is called (from
+    a queue of ``queue_capacity`` items; with ``submit_many`` that thread hands
+    everything queued over in one call instead (``ApplyQueue``). ``on_stale(name)`` is called (from
     the receiving thread) when a stream's endpoint has been gone for
     ``stale_after_s``. ``on_error`` counts items ``submit`` failed on. A live
     batch received more than ``max_lag_s`` after its publisher's timestamp
@@ -149,12 +150,15 @@ class IngestLoop:
         max_payload_bytes: int = 64 << 20,
         max_lag_s: float = 1.0,
         queue_capacity: int = 4096,
+        submit_many: ApplyMany | None = None,
     ) -> None:
         if not max_lag_s > 0:
             raise ValueError(f"max_lag_s must be > 0, got {max_lag_s}")
         self._ctx = context
         self._lag = IngestLag(lagging_after_s=max_lag_s / 4)
-        self._queue = ApplyQueue(submit, capacity=queue_capacity, lag=self._lag, on_error=on_error)
+        self._queue = ApplyQueue(
+            submit, capacity=queue_capacity, lag=self._lag, on_error=on_error, apply_many=submit_many
+        )
         self._max_lag_s = max_lag_s
         self._on_stale = on_stale
         self._on_error = on_error
