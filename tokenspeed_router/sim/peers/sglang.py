@@ -136,10 +136,9 @@ def sglang_cache_aware_choice(
     if hi - lo > BALANCE_ABS_THRESHOLD and hi > lo * BALANCE_REL_THRESHOLD:
         return least
     rate = matched_chars / num_chars if num_chars else 0.0
-    if rate > CACHE_THRESHOLD and match_tenant in workers:
-        return match_tenant
     if rate > CACHE_THRESHOLD:
-        return workers[0]  # the source's fallback when the tenant is gone: the first healthy worker
+        # the source's fallback when the tenant is gone: the first healthy worker
+        return match_tenant if match_tenant is not None and match_tenant in workers else workers[0]  # the source's fallback when the tenant is gone: the first healthy worker
     return least
 
 
