@@ -43,6 +43,7 @@ import json
 import os
 import random
 import signal
+import struct
 import tempfile
 import threading
 import time
@@ -135,6 +136,9 @@ class FrameProxy:
         self.rng = random.Random(seed)
         self.drop_p = self.dup_p = self.reorder_p = 0.0
         self.dropped = self.duplicated = self.reordered = self.forwarded = 0
+        #: bad frames sent after each forwarded one (``junk(frames, rng)`` makes them)
+        self.junk: Callable[[list[bytes], random.Random], list[list[bytes]]] | None = None
+        self.injected = 0
         self._stop = threading.Event()
         self._ready = threading.Event()
         self.endpoint = ""
@@ -177,6 +181,11 @@ class FrameProxy:
                     continue
                 pub.send_multipart(frames)
                 self.forwarded += 1
+                junk = self.junk
+                if junk is not None:
+                    for bad in junk(frames, self.rng):
+                        pub.send_multipart(bad)
+                        self.injected += 1
                 if held is not None:
                     pub.send_multipart(held)
                     held = None
@@ -230,8 +239,10 @@ class Cluster:
     """Engines (optionally behind frame proxies) and the serve processes following them."""
 
     def __init__(self, ctx: Ctx, *, proxies: bool = False, hwm: int = 100_000,
-                 buffer_steps: int = 10_000) -> None:
+                 buffer_steps: int = 10_000, replay: bool = True, serve_env: dict[str, str] | None = None) -> None:
         self.ctx = ctx
+        self.replay = replay
+        self.serve_env = serve_env
         self.rng = random.Random(ctx.seed)
         self.engines = [Engine(f"e{i}", hwm=hwm, buffer_steps=buffer_steps)
                         for i in range(ctx.num_engines)]
@@ -250,13 +261,14 @@ class Cluster:
             replay = e.pub.replay_endpoint
             if e.name in self.via:
                 events, replay = self.via[e.name]
-            args += ["--worker", f"name={e.name},events={events},replay={replay}"]
+            spec = f"name={e.name},events={events}" + (f",replay={replay}" if self.replay else "")
+            args += ["--worker", spec]
         for spec in self.extra_workers:
             args += ["--worker", spec]
         return args
 
     def serve(self, *extra: str, port: int | None = None) -> Serve:
-        s = Serve([*self.worker_args(), *extra], log_dir=self.ctx.workdir, port=port).start()
+        s = Serve([*self.worker_args(), *extra], log_dir=self.ctx.workdir, port=port, env=self.serve_env).start()
         self.serves.append(s)
         return s
 
@@ -773,6 +785,112 @@ def fault_fuzz(ctx: Ctx) -> Row:
     return row
 
 
+def _interleaved_junk(seeds: list[list[bytes]]) -> Callable[[list[bytes], random.Random], list[list[bytes]]]:
+    """Bad frames to send after each good one, under the seqs that could do harm.
+
+    Each carries the good frame's own seq (a "restart" by the old rule: a seq
+    already delivered, other bytes), the seq due next (a frame that would take
+    the good batch's place), 0 (a "new process") or one ahead (a false gap);
+    its payload is a mutated capture frame or one of the malformed classes of
+    issue 28 (undecodable, not a batch, unknown tags, wrong types, a negative
+    block size, 100,000 hashes for one token, a 4 G array header, random
+    bytes). A mutant that still decodes to a batch with events
+    is not a bad frame (a bit flip in a token id makes another valid batch)
+    and is not sent: a valid batch is data, and under a reused seq it is a
+    restart by definition (DESIGN §3); only what fails to decode or validate,
+    or carries nothing to apply, must change nothing.
+    """
+    from tokenspeed_router.errors import WireError
+    from tokenspeed_router.events import BatchDecoder
+    from tokenspeed_router.events.codec import only_unknown_events
+    from tokenspeed_router.events.frames import decode_seq
+
+    classes = _bad_payload_classes()
+    decoder = BatchDecoder()
+
+    def is_bad(payload: bytes) -> bool:
+        try:
+            return only_unknown_events(decoder.decode(payload), payload)
+        except WireError:
+            return True
+
+    def junk(frames: list[bytes], rng: random.Random) -> list[list[bytes]]:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            return []
+        seq = decode_seq(frames[1])
+        out: list[list[bytes]] = []
+        for _ in range(rng.choice((1, 2, 3))):
+            at = rng.choice((seq, seq, seq + 1, 0, seq + 2))
+            payload = rng.choice(classes)
+            if rng.random() < 0.5:
+                mutant = _mutate(rng, [b"", b"\0" * 8, rng.choice(seeds)[-1]])[-1]
+                if is_bad(mutant):
+                    payload = mutant
+            out.append([frames[0], at.to_bytes(8, "big"), payload])
+        return out
+
+    return junk
+
+
+def _bad_payload_classes() -> list[bytes]:
+    import msgspec
+
+    enc = msgspec.msgpack.Encoder()
+    stored = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None,
+              "token_ids": list(range(BLOCK)), "block_size": BLOCK}
+    head = b"\x93\xcb" + struct.pack(">d", 1.0)  # [1.0, ...
+    return [
+        b"\xc1\xc1", enc.encode({"ts": 1.0}), enc.encode("BlockStored"),
+        enc.encode([1.0, [{"type": "BlockMoved", "block_hashes": [1]}]]),
+        enc.encode([1.0, [["KVCacheOffloaded", [1], "CPU"]]]),
+        enc.encode([1.0, [{**stored, "block_hashes": ["a"]}]]),
+        enc.encode([1.0, [{**stored, "block_size": -BLOCK}]]),
+        enc.encode([1.0, [{**stored, "block_hashes": list(range(100_000)), "token_ids": [1]}]]),
+        head + b"\xdd\xff\xff\xff\xff",
+        bytes(random.Random(28).randrange(256) for _ in range(100)),
+    ]
+
+
+def fault_interleaved(ctx: Ctx, *, replay: bool, typed: bool) -> Row:
+    """Bad payloads interleaved with an engine's own batches on its stream, under harmful seqs."""
+    per_frame = 2  # bad frames per good one, on average
+    goods = ctx.steps(2_000, 1_000_000 // per_frame)  # >= 1 M bad frames per row at full volume
+    path = "typed path (reference core)" if typed else "native raw path"
+    row = Row(f"interleaved bad payloads, {'with' if replay else 'no'} replay endpoint, {path}")
+    env = {"TOKENSPEED_ROUTER_INDEX": "reference"} if typed else None
+    with cluster(ctx, proxies=True, replay=replay, serve_env=env) as c:
+        serve = c.serve()
+        c.drive(20)
+        c.wait_recovered(serve)
+        junk = _interleaved_junk(_captured_frames())
+        for p in c.proxies:
+            p.junk = junk
+        batches_before = sum(e.last_seq + 1 for e in c.engines)
+        chunk = 2_000
+        done = 0
+        while done < goods:
+            for _ in range(min(chunk, goods - done)):
+                c.rng.choice(c.engines).fresh(1)
+            done += chunk
+            # pace: let the router drain (all forwarded, all counted) before the next chunk
+            wait_for(lambda want=sum(e.last_seq for e in c.engines): sum(  # type: ignore[misc]
+                int(serve.get("/workers")[e.name].get("last_seq") or 0) for e in c.engines) >= want,
+                300, "the router to drain a chunk", interval_s=0.1)
+        for p in c.proxies:
+            p.junk = None
+        injected = sum(p.injected for p in c.proxies)
+        batches = sum(e.last_seq + 1 for e in c.engines) - batches_before
+        c.finish(row, serve)
+        k = c.counters(serve)
+        row.injected = f"{injected:,} bad frames between {batches:,} good batches ({len(c.engines)} engines)"
+        row.detected = _fmt(k, "malformed_frames", "restarts", "resyncs", "gaps", "duplicates")
+        row.extra = {**k, "injected": injected, "good_batches": batches}
+        if k["restarts"] or k["resyncs"]:
+            row.notes += f" restarts {k['restarts']}, resyncs {k['resyncs']} (must be 0)"
+            row.truth = False
+    return row
+
+
 def fault_oversized(ctx: Ctx) -> Row:
     n = ctx.steps(3, 20)
     row = Row("oversized frames (65 MiB payloads)")
@@ -889,6 +1007,10 @@ FAULTS: dict[str, Callable[[Ctx], Row]] = {
     "leader_failover": fault_leader_failover,
     "slow_consumer": fault_slow_consumer,
     "fuzz": fault_fuzz,
+    "interleaved_no_replay": lambda ctx: fault_interleaved(ctx, replay=False, typed=False),
+    "interleaved_replay": lambda ctx: fault_interleaved(ctx, replay=True, typed=False),
+    "interleaved_no_replay_typed": lambda ctx: fault_interleaved(ctx, replay=False, typed=True),
+    "interleaved_replay_typed": lambda ctx: fault_interleaved(ctx, replay=True, typed=True),
     "oversized": fault_oversized,
     "http": fault_http,
 }

@@ -68,8 +68,9 @@ class Serve:
     """``tokenspeed-router serve`` as a subprocess, with an HTTP client on its API."""
 
     def __init__(self, args: list[str], *, log_dir: Path, port: int | None = None,
-                 log_level: str = "WARNING") -> None:
+                 log_level: str = "WARNING", env: dict[str, str] | None = None) -> None:
         self.args = args
+        self.env = env or {}
         self.port = port if port is not None else free_tcp_port()
         self.log_dir = log_dir
         self.log_level = log_level
@@ -92,7 +93,7 @@ class Serve:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenspeed_router.cli", "--log-level", self.log_level, "serve",
              *self.args, "--http", f"127.0.0.1:{self.port}"],
-            cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
             stdout=subprocess.DEVNULL, stderr=log,
         )
         log.close()

@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("tokenspeed_router.server.cli_replay", "rebuild the index from an event log"),
     "inspect": ("tokenspeed_router.server.cli_inspect", "summarise an event log or a live router"),
     "simulate": ("tokenspeed_router.sim.cli_simulate", "trace-driven evaluation of routing policies"),
+    "trace": ("tokenspeed_router.sim.cli_trace",
+              "write a seeded synthetic trace of one workload shape (Mooncake format); --list names them"),
     "bench": ("tokenspeed_router.bench.cli_bench", "benchmark ingestion, matching and routing"),
     "loadgen": ("tokenspeed_router.loadgen.cli_loadgen",
                 "replay a Mooncake trace against an OpenAI endpoint (TTFT, hit ratio, spread)"),

@@ -114,3 +114,13 @@ def test_doctor_without_torch(no_torch_env: dict[str, str]) -> None:
     events_check = next(c for c in engine["checks"] if c["name"] == "events")
     assert "accepts a connection" in events_check["cause"], events_check
     assert "Traceback" not in proc.stderr
+
+
+def test_trace_without_torch(no_torch_env: dict[str, str], tmp_path: Path) -> None:
+    """Writing a workload shape is lab-side but needs no cache: it runs on the router-only install."""
+    out = tmp_path / "agentic.jsonl"
+    proc = cli(no_torch_env, "trace", "--shape", "agentic", "--requests", "20", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert len(out.read_text().splitlines()) == 20
+    listing = cli(no_torch_env, "trace", "--list")
+    assert listing.returncode == 0 and "agentic:" in listing.stdout

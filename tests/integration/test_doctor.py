@@ -160,6 +160,8 @@ def test_exit_zero_and_one_line_per_check_on_a_healthy_fleet(fleet: dict[str, En
 def test_bad_usage_exits_two() -> None:
     assert doctor().returncode == 2
     assert doctor("--worker", "name=x").returncode == 2  # no events endpoint
+    no_url = doctor("--worker", "name=x,events=tcp://127.0.0.1:1")  # no url=: bad usage, not a failed check
+    assert no_url.returncode == 2 and "no url=" in no_url.stderr and no_url.stdout == "", no_url
     proc = doctor("--router", "http://127.0.0.1:9", "--worker", "name=x,events=tcp://127.0.0.1:1")
     assert proc.returncode == 2 and "not both" in proc.stderr
 
@@ -229,6 +231,9 @@ def test_misconfigured_specs_are_named(fleet: dict[str, EngineSim], dp_engine: d
         assert "crossed" in events["fix"]
         # checks that could not run say why: the crossed endpoints, not "no events"
         assert "different engines" in first[worker]["hashes"]["cause"]
+        # and reuse, whose prediction came from the other engine's stream, names them too
+        reuse = first[worker]["reuse"]
+        assert not reuse["ok"] and "different engines" in reuse["cause"], reuse
     dead = first["dead-replay"]["events"]
     assert not dead["ok"] and "nothing answers on the worker spec's replay endpoint" in dead["cause"], dead
     assert failing(first["dp-ok"]) == set(), json.dumps(first["dp-ok"], indent=1)
@@ -252,7 +257,13 @@ def test_misconfigured_specs_are_named(fleet: dict[str, EngineSim], dp_engine: d
         f"name=dp-extra,url={healthy.url},events={healthy.events},replay={healthy.replay_endpoint},dp_ranks=2",
         # another engine's (idle) stream, which the join replay shows is alive
         f"name=foreign,url={lag.url},events={bs.events},replay={bs.replay_endpoint}",
+        # nothing publishes where the spec looks
+        f"name=dead-events,url={skewed.url},events=tcp://127.0.0.1:{free_tcp_port()}",
     )
+    dead_events = third["dead-events"]
+    for name in ("events", "reuse"):
+        assert not dead_events[name]["ok"] and "nothing accepts a connection" in dead_events[name]["cause"], \
+            dead_events[name]
     extra = third["dp-extra"]
     assert failing(extra) == {"spec"}, json.dumps(extra, indent=1)
     assert "rank 1: nothing publishes" in extra["spec"]["detail"]
@@ -288,3 +299,18 @@ def test_block_size_other_than_expected_is_named(fleet: dict[str, EngineSim]) ->
     assert failing(report) == {"block_size"}, json.dumps(report, indent=1)
     assert "declare block_size 16, expected 32" in report["block_size"]["detail"]
     assert "--block-size" in report["block_size"]["cause"]
+
+
+def test_crossed_specs_through_a_router_name_reuse(fleet: dict[str, EngineSim], tmp_path: Path) -> None:
+    """--router URL whose workers have crossed url=/events=: the router's index holds the other
+    engine's blocks, so its prediction is not this engine's; reuse names the crossing."""
+    a, b = fleet["healthy"], fleet["tok-rank"]
+    args = ["--worker", f"name=crossed-a,url={a.url},events={b.events},replay={b.replay_endpoint}",
+            "--worker", f"name=crossed-b,url={b.url},events={a.events},replay={a.replay_endpoint}"]
+    with ServeProcess(args, tmp_path).start(timeout_s=60) as router:
+        proc = doctor("--router", router.url, *DOCTOR_FLAGS, "--json")
+    assert proc.returncode == 1, proc.stderr
+    for engine in json.loads(proc.stdout)["engines"]:
+        found = checks(engine)
+        for name in ("events", "reuse"):
+            assert not found[name]["ok"] and "different engines" in found[name]["cause"], found[name]

@@ -25,7 +25,7 @@ from tokenspeed_router.loadgen.parity import (
     simulate_side,
     simulate_spread,
 )
-from tokenspeed_router.sim.workload import WorkloadConfig, generate_workload
+from tokenspeed_router.sim.shapes import WorkloadConfig, generate_workload
 
 
 def test_simulate_predicts_the_gateway(tmp_path: Path) -> None:

@@ -25,11 +25,11 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 WORKERS = ["w0", "w1"]
 OPTIONS = "&load_ttl_s=1.0&backoff_max_s=0.2&socket_timeout_s=0.5"
-#: The exact one-router comparison pins cost model v1, whose load terms the peers'
-#: totals enter exactly as the router's own; v2 (the default) keeps a per-engine
-#: queue clock of its own routes, to which peers' work is added as tokens / rate,
-#: so v2 replicas decide close to, not exactly as, one router.
-COST = ("--router-option", "cost_model=v1")
+#: Engines of 1 token/s, never refitted: every queue is far longer than the test, so the
+#: wall time between requests (the replicas wait for each other) drains every engine's
+#: queue clock alike and changes no comparison: the replicas must decide exactly as the
+#: one reference router, which shares their config on a frozen clock.
+COST = ("--router-option", "prefill_tokens_per_s=1", "--router-option", "fit_prefill=false")
 
 
 def _requests() -> list[list[int]]:
@@ -43,7 +43,7 @@ def _requests() -> list[list[int]]:
 
 
 def _one_router(requests: list[list[int]]) -> list[str]:
-    router = Router(None, RouterConfig(cost_model="v1"))
+    router = Router(None, RouterConfig(prefill_tokens_per_s=1.0, fit_prefill=False), clock=lambda: 0.0)
     for w in WORKERS:
         router.add_worker(w)
     return [router.route(tokens, request_id=f"q{i}").worker for i, tokens in enumerate(requests)]

@@ -29,6 +29,11 @@ pytestmark = pytest.mark.redis
 WORKERS = ("w0", "w1", "w2")
 
 
+#: See Replica: queues far longer than any test, so waiting for Redis changes no decision.
+SLOW = {"prefill_tokens_per_s": 1.0, "fit_prefill": False}
+SLOW_OPTIONS = ("--router-option", "prefill_tokens_per_s=1", "--router-option", "fit_prefill=false")
+
+
 def _prompts(n: int, seed: int = 3) -> list[list[int]]:
     """Distinct prompts of distinct lengths (no exact cost ties, no shared prefixes)."""
     rng = random.Random(seed)
@@ -42,10 +47,10 @@ class Replica:
     def __init__(self, url: str | None, name: str, **overrides: Any) -> None:
         self.name = name
         self.lock = threading.Lock()
-        # Cost model v1: its load is time-free, so "decide as one router" is exact. v2's
-        # queue clock decays on the wall clock, and these replicas wait for Redis between
-        # requests while the single reference router does not.
-        self.router = Router(None, RouterConfig(cost_model="v1"))
+        # Engines of 1 token/s, never refitted: every queue is far longer than the test, so
+        # the wall time these replicas spend waiting for Redis drains every queue alike and
+        # changes no comparison ("decide as one router" stays exact, as for serve below).
+        self.router = Router(None, RouterConfig(**SLOW), clock=lambda: 0.0)
         for w in WORKERS:
             self.router.add_worker(w)
         self.shared: SharedLoad | None = None
@@ -132,7 +137,6 @@ def test_two_replicas_decide_as_one_router(redis_url: str, made: list[Replica], 
     # the same split without sharing piles up: each replica thinks the others' workers are idle
     alone = _drive([Replica(None, "xa"), Replica(None, "xb")], prompts, wait=False)
     assert alone != reference
-    assert alone[:2] == ["w0", "w0"] and reference[:2] == ["w0", "w1"]
 
 
 def test_dead_replica_load_expires_and_clean_close_clears_at_once(
@@ -194,7 +198,7 @@ def test_two_serve_processes_share_load(redis_url: str, tmp_path: Path) -> None:
             for _ in WORKERS]
     specs = [a for w, p in zip(WORKERS, pubs, strict=True)
              for a in ("--worker", f"name={w},events={p.endpoint},replay={p.replay_endpoint}")]
-    procs = [ServeProcess([*specs, "--router-option", "cost_model=v1",  # as Replica: see there
+    procs = [ServeProcess([*specs, *SLOW_OPTIONS,  # as Replica: see there
                            "--state", f"{redis_url}?replica_id={n}&load_ttl_s=1.0"
                                       "&lease_ttl_s=1.5&read_block_ms=50"], tmp_path)
              for n in ("ra", "rb")]

@@ -31,9 +31,10 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int]:
     tmp = tmp_path_factory.mktemp("decisions")
     events, dlog = tmp / "events.tslog", tmp / "d.jsonl"
     clock = [T0]
-    # cost model v1: the log records its terms, and the replay re-decides with them
+    # the log records the cost model's terms (engine queue clocks and speeds included),
+    # and the replay re-decides with them
     service = RouterService(ServerConfig(http=None, explain=ExplainConfig(decision_log=str(dlog)),
-                                         router=RouterConfig(cost_model="v1")),
+                                         router=RouterConfig()),
                             wall_clock=lambda: clock[0])
     service.start()
     writer = EventLogWriter(events, meta={"source": "test"})

@@ -142,6 +142,10 @@ def test_http_route_explain_true_false_and_bad(client: TestClient) -> None:
     assert plain.status_code == 200 and "explain" not in plain.json()
     off = client.post("/route", json={"token_ids": A, "request_id": "o", "explain": False})
     assert off.status_code == 200 and "explain" not in off.json()
+    # Released: queued prefill decays on the wall clock, so a queue left on w0 would make
+    # the choice depend on how fast this machine runs the test.
+    for rid in ("p", "o"):
+        assert client.post("/release", json={"request_id": rid}).status_code == 200
     on = client.post("/route", json={"token_ids": A, "request_id": "e", "explain": True})
     assert on.status_code == 200
     answer = on.json()
@@ -155,7 +159,6 @@ def test_http_route_explain_true_false_and_bad(client: TestClient) -> None:
     for row in rows.values():  # the prefix by tier adds up to the prefix (w1: stored on GPU, or predicted)
         assert sum(row["matched_tokens_by_tier"].values()) == row["matched_tokens"] > 0
         assert row["matched_tokens_by_tier"]["cpu"] == row["matched_tokens_by_tier"]["storage"] == 0
-    # the earlier routes are in flight on w0: its queue estimate is the explained load
     assert rows["w0"]["chosen"] and "lowest cost" in rows["w0"]["reason"]
     assert rows["w1"]["reason"].startswith("higher cost: ") and " on w0 (uncached " in rows["w1"]["reason"]
     for bad in ("yes", 1, None):

@@ -92,6 +92,7 @@ EXPORTS: dict[str, list[str]] = {
         "Router",
         "RouterConfig",
         "RouterStatistics",
+        "RoutingCore",
         "WorkerInfo",
         "WorkerLoad",
         "WorkerRole",

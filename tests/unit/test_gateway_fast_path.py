@@ -8,7 +8,8 @@ import socket
 
 from tokenspeed_router.gateway.openai import parse_chat, parse_completion
 from tokenspeed_router.gateway.proxy import _with_usage
-from tokenspeed_router.server.http import _CoalescingTransport, _new_event_loop
+from tokenspeed_router.server.http import _new_event_loop
+from tokenspeed_router.server.http_protocol import CoalescingTransport
 
 
 def test_usage_patch_adds_include_usage_and_keeps_every_field() -> None:
@@ -33,7 +34,7 @@ def test_coalescing_transport_joins_one_turn_and_flushes_before_close() -> None:
     try:
         async def main() -> bytes:
             transport, _ = await loop.create_connection(asyncio.Protocol, sock=a)
-            wrapped = _CoalescingTransport(transport, loop)  # type: ignore[arg-type]
+            wrapped = CoalescingTransport(transport, loop)  # type: ignore[arg-type]
             wrapped.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
             wrapped.write(b"")
             wrapped.write(b"ok")

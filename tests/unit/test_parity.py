@@ -16,8 +16,8 @@ from tokenspeed_router.loadgen.parity import (
     simulate_spread,
     warm_up_requests,
 )
+from tokenspeed_router.sim.shapes import WorkloadConfig, generate_workload
 from tokenspeed_router.sim.traces import TraceRequest
-from tokenspeed_router.sim.workload import WorkloadConfig, generate_workload
 
 
 def _slice() -> list[TraceRequest]:

@@ -92,26 +92,7 @@ def test_kv_aware_uses_memory_for_workers_without_events() -> None:
     assert router.workers()["quiet"].events is False
 
 
-def test_predict_on_route_colocates_siblings_before_events_arrive() -> None:
-    # Cost model v1: the memory outlives the request (a TTL); v2 bridges only the
-    # wait for the engine's BlockStored (test_v2_predictions_bridge_only_until_the_store).
-    index = StubIndex()  # the engine has not published anything yet
-    options = {"request_id_prefix": "t", "predict_on_route_ttl_s": 2.0, "cost_model": "v1"}
-    clock = FakeClock()
-    router = Router(index, RouterConfig(**options), clock=clock)  # type: ignore[arg-type]
-    for w in ("w0", "w1", "w2", "w3"):
-        router.add_worker(w)
-    shared = list(range(8000))
-    first = router.route([*shared, 1])
-    router.release(first.request_id)
-    sibling = router.route([*shared, 2])
-    assert sibling.worker == first.worker and sibling.matched_tokens == 8000
-    router.release(sibling.request_id)
-    clock.now += 3.0  # the guess expired; with no event it is gone
-    assert router.route([*shared, 3]).matched_tokens == 0
-
-
-def test_v2_predictions_bridge_only_until_the_store() -> None:
+def test_predictions_bridge_only_until_the_store() -> None:
     index = StubIndex()  # the engine has not published anything yet
     clock = FakeClock()
     router = Router(index, RouterConfig(request_id_prefix="t", prediction_grace_s=0.5), clock=clock)

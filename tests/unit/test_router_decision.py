@@ -1,10 +1,11 @@
 """The typed decision of ``Router.route``: per-worker credits, the index's view, the explanation.
 
 Everything is checked against the real ``KvIndex`` fed with real ``BlockStored``
-events and against the pure functions of ``scoring.py`` (``credited_tokens``,
-``worker_cost``): the decision must carry exactly what the router compared,
-so that no caller needs a second index walk and ``explain=True`` tells the
-truth about the choice.
+events, ``scoring.credited_tokens`` and a reference of the cost written out
+here (``_ttft``: the formula docs/routing.md and ``router/cost.py`` state):
+the decision must carry exactly what the router compared, so that no caller
+needs a second index walk and ``explain=True`` tells the truth about the
+choice.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ from tokenspeed_router.router.scoring import (
     CostWeights,
     WorkerLoad,
     credited_tokens,
-    ttft_cost,
-    worker_cost,
 )
 
 BS = 16
@@ -149,10 +148,9 @@ def _loaded(router: Router, rng: random.Random, n: int) -> None:
             router.mark_prefill_done(d.request_id)
 
 
-@pytest.mark.parametrize("cost_model", ["v1", "v2"])
-def test_explanation_costs_are_worker_cost_and_the_choice_is_their_argmin(cost_model: str) -> None:
+def test_explanation_costs_are_the_model_cost_and_the_choice_is_their_argmin() -> None:
     index = tiered_index()
-    router = router_over(index, request_weight=3.0, cost_model=cost_model)  # every term of the cost counts
+    router = router_over(index, request_weight=3.0)  # every term of the cost counts
     _loaded(router, random.Random(1), 12)
     load = router.load()
     engines = router.engine_estimates()
@@ -169,8 +167,10 @@ def test_explanation_costs_are_worker_cost_and_the_choice_is_their_argmin(cost_m
         assert c.credited_tokens == d.credited_tokens(c.worker)
         assert c.matched_tokens == d.predicted_tokens(c.worker) and c.matched_blocks == d.scores[c.worker]
         assert c.uncached_tokens == max(len(PROMPT) - c.credited_tokens, 0)
-        assert c.cost == _reference_cost(cost_model, len(PROMPT), c.credited_tokens, own, engines.get(c.worker),
-                                         router.config, weights)
+        assert c.cost == pytest.approx(_reference_cost(len(PROMPT), c.credited_tokens, own, engines.get(c.worker),
+                                                       router.config, weights), rel=1e-12)
+        eng = engines.get(c.worker)
+        assert c.queue_s == (eng.queue_s if eng is not None else 0.0)
         assert sum(c.matched_tokens_by_tier.values()) == c.matched_tokens
     chosen = [c for c in ex.candidates if c.chosen]
     assert [c.worker for c in chosen] == [d.worker]
@@ -184,14 +184,21 @@ def test_explanation_costs_are_worker_cost_and_the_choice_is_their_argmin(cost_m
     assert w1.credit_source is CreditSource.INDEX and ex.candidate("w5").credit_source is None
 
 
-def _reference_cost(cost_model: str, n: int, credit: float, load: WorkerLoad, eng: EngineEstimate | None,
+def _ttft(n: int, credit: float, queue_s: float, load: WorkerLoad, rate: float, overhead_s: float,
+          weights: CostWeights) -> float:
+    """The cost, written out: queue clock + overhead + weighted own prefill and load over the rate."""
+    uncached = max(n - credit, 0.0)
+    return (weights.queue_weight * queue_s + overhead_s
+            + (weights.prefill_weight * uncached + weights.decode_weight * load.active_tokens
+               + weights.request_weight * load.active_requests) / rate)
+
+
+def _reference_cost(n: int, credit: float, load: WorkerLoad, eng: EngineEstimate | None,
                     config: RouterConfig, weights: CostWeights) -> float:
-    """The cost the explanation must show: scoring.worker_cost (v1) or scoring.ttft_cost (v2)."""
-    if cost_model == "v1":
-        return worker_cost(n, credit, load, weights)
-    if eng is None:  # never routed to: an idle engine at the priors
-        return ttft_cost(n, credit, 0.0, load, config.prefill_tokens_per_s, config.prefill_overhead_s, weights)
-    return ttft_cost(n, credit, eng.queue_s, load, eng.prefill_tokens_per_s, eng.prefill_overhead_s, weights)
+    """The cost the explanation must show (an engine never routed to is idle, at the priors)."""
+    if eng is None:
+        return _ttft(n, credit, 0.0, load, config.prefill_tokens_per_s, config.prefill_overhead_s, weights)
+    return _ttft(n, credit, eng.queue_s, load, eng.prefill_tokens_per_s, eng.prefill_overhead_s, weights)
 
 
 def test_ties_and_cold_workers_are_explained() -> None:
@@ -212,7 +219,7 @@ def test_ties_and_cold_workers_are_explained() -> None:
     cold = ex.candidate("w1")
     assert cold.cold and cold.matched_tokens == 0 and cold.uncached_tokens == len(PROMPT)
     assert cold.reason.startswith("higher cost: ") and cold.reason.endswith(
-        " on w0 (uncached 1024 vs 384 tokens, queued prefill 0 vs 0); cold: its prefix is not trusted, routed on load")
+        " on w0 (uncached 1024 vs 384 tokens, queued 0 vs 0 s); cold: its prefix is not trusted, routed on load")
 
 
 def test_other_replicas_load_is_part_of_the_explained_terms() -> None:
@@ -223,23 +230,19 @@ def test_other_replicas_load_is_part_of_the_explained_terms() -> None:
         def changed(self) -> None:
             pass
 
-    for cost_model in ("v1", "v2"):
-        router = Router(None, RouterConfig(request_id_prefix="t", cost_model=cost_model), peer_load=Peers())
-        router.add_worker("w0")
-        router.add_worker("w1")
-        weights = router.config.weights()
-        ex = router.route(list(range(100)), explain=True).explanation
-        assert ex is not None
-        c = ex.candidate("w0")
-        assert (c.active_requests, c.queue_tokens, c.active_tokens) == (2, 700, 900)
-        if cost_model == "v1":
-            assert c.cost == worker_cost(100, 0.0, WorkerLoad(2, 700, 900), weights)
-        else:  # the other replica's queued prefill at the (prior) rate, on an idle local clock
-            rate = router.config.prefill_tokens_per_s
-            expected = ttft_cost(100, 0.0, 700 / rate, WorkerLoad(2, 0, 900), rate,
-                                 router.config.prefill_overhead_s, weights)
-            assert c.cost == pytest.approx(expected, rel=1e-12)
-        assert ex.worker == "w1"
+    router = Router(None, RouterConfig(request_id_prefix="t"), peer_load=Peers())
+    router.add_worker("w0")
+    router.add_worker("w1")
+    weights = router.config.weights()
+    ex = router.route(list(range(100)), explain=True).explanation
+    assert ex is not None
+    c = ex.candidate("w0")
+    assert (c.active_requests, c.queue_tokens, c.active_tokens) == (2, 700, 900)
+    # the other replica's queued prefill at the (prior) rate, on an idle local clock
+    rate = router.config.prefill_tokens_per_s
+    expected = _ttft(100, 0.0, 700 / rate, WorkerLoad(2, 0, 900), rate, router.config.prefill_overhead_s, weights)
+    assert c.cost == pytest.approx(expected, rel=1e-12) and c.queue_s == pytest.approx(700 / rate)
+    assert ex.worker == "w1"
 
 
 def test_prefill_decode_pools_are_explained_separately() -> None:
@@ -318,43 +321,6 @@ def test_explain_changes_no_decision() -> None:
         assert all(d.explanation is not None and d.explanation.worker == d.worker for d in explained)
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    depths=st.lists(st.tuples(st.integers(0, 64), st.sampled_from([None, "cpu", "storage"])),
-                    min_size=8, max_size=8),
-    in_flight=st.lists(st.integers(1, 1024), max_size=10),
-    cold=st.sets(st.sampled_from(WORKERS), max_size=3),
-    length=st.integers(0, 1024),
-)
-def test_decisions_agree_with_the_index_and_the_cost_model(
-    depths: list[tuple[int, str | None]], in_flight: list[int], cold: set[str], length: int
-) -> None:
-    """Reference model: match_detail + credited_tokens + worker_cost (v1), minimised."""
-    index = KvIndex()
-    for w, (blocks, medium) in zip(WORKERS, depths, strict=True):
-        if blocks:
-            store(index, w, PROMPT[: blocks * BS], medium)
-    router = router_over(index, predict_on_route_ttl_s=0.0, request_weight=1.0, cost_model="v1")
-    for i, n in enumerate(in_flight):
-        router.route([70_000 + i] * n)
-    for w in cold:
-        router.set_cold(w, True)
-    prompt = PROMPT[:length]
-    load, weights = router.load(), router.config.weights()
-    detail = index.match_detail(prompt)
-    d = router.route(prompt, explain=True)
-    assert d.explanation is not None
-    expected: dict[str, float] = {}
-    for w in WORKERS:
-        blocks = 0 if w in cold else detail.scores.get(w, 0)
-        credit = credited_tokens(blocks, BS, detail.tiers.get(w), weights)
-        assert d.scores[w] == blocks and d.credited_tokens(w) == credit
-        assert d.indexed_tokens(w) == detail.scores.get(w, 0) * detail.block_size.get(w, 0)
-        expected[w] = worker_cost(length, credit, load[w], weights)
-    assert {c.worker: c.cost for c in d.explanation.candidates} == expected
-    assert expected[d.worker] == min(expected.values())
-
-
 @settings(max_examples=30, deadline=None)
 @given(
     depths=st.lists(st.tuples(st.integers(0, 64), st.sampled_from([None, "cpu", "storage"])),
@@ -362,12 +328,14 @@ def test_decisions_agree_with_the_index_and_the_cost_model(
     in_flight=st.lists(st.integers(1, 1024), max_size=10),
     done=st.sets(st.integers(0, 9), max_size=5),
     advance_s=st.floats(0.0, 0.5),
+    cold=st.sets(st.sampled_from(WORKERS), max_size=3),
     length=st.integers(0, 1024),
 )
-def test_v2_decisions_agree_with_the_index_and_the_ttft_cost(
-    depths: list[tuple[int, str | None]], in_flight: list[int], done: set[int], advance_s: float, length: int
+def test_decisions_agree_with_the_index_and_the_cost(
+    depths: list[tuple[int, str | None]], in_flight: list[int], done: set[int], advance_s: float,
+    cold: set[str], length: int,
 ) -> None:
-    """Reference model for cost model v2: index credit + the engines' queue clocks + ttft_cost, minimised."""
+    """Reference model: index credit (cold workers none) + the engines' queue clocks + the cost, minimised."""
     index = KvIndex()
     for w, (blocks, medium) in zip(WORKERS, depths, strict=True):
         if blocks:
@@ -379,6 +347,8 @@ def test_v2_decisions_agree_with_the_index_and_the_ttft_cost(
         if i in done:
             router.mark_prefill_done(d.request_id)
     clock.now += advance_s  # queues decay with time
+    for w in cold:
+        router.set_cold(w, True)
     prompt = PROMPT[:length]
     load, weights, config = router.load(), router.config.weights(), router.config
     engines = router.engine_estimates()
@@ -387,10 +357,11 @@ def test_v2_decisions_agree_with_the_index_and_the_ttft_cost(
     assert d.explanation is not None
     expected: dict[str, float] = {}
     for w in WORKERS:
-        blocks = detail.scores.get(w, 0)
+        blocks = 0 if w in cold else detail.scores.get(w, 0)
         credit = credited_tokens(blocks, BS, detail.tiers.get(w), weights)
         assert d.scores[w] == blocks and d.credited_tokens(w) == credit
-        expected[w] = _reference_cost("v2", length, credit, load[w], engines.get(w), config, weights)
+        assert d.indexed_tokens(w) == detail.scores.get(w, 0) * detail.block_size.get(w, 0)
+        expected[w] = _reference_cost(length, credit, load[w], engines.get(w), config, weights)
     got = {c.worker: c.cost for c in d.explanation.candidates}
     assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)
     assert expected[d.worker] == pytest.approx(min(expected.values()), rel=1e-9, abs=1e-12)

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from tokenspeed_router.router.peer_work import PeerPrediction, PeerPredictions
+from tokenspeed_router.router.peer_work import (
+    PeerEnded,
+    PeerEvent,
+    PeerPrediction,
+    PeerPredictions,
+    PeerPrefillDone,
+)
 from tokenspeed_router.router.router import Router, RouterConfig
 from tokenspeed_router.router.scoring import WorkerLoad
 
@@ -89,7 +95,7 @@ class LinkedReplicas:
     """Route predictions exchanged in memory between routers (what state/load.py carries)."""
 
     def __init__(self) -> None:
-        self.inboxes: list[list[PeerPrediction]] = []
+        self.inboxes: list[list[PeerEvent]] = []
 
     def member(self) -> LinkedPeer:
         self.inboxes.append([])
@@ -107,12 +113,22 @@ class LinkedPeer:
     def changed(self) -> None:
         pass
 
-    def routed(self, workers: tuple[str, ...], hashes: Sequence[int]) -> None:
+    def _send(self, event: PeerEvent) -> None:
         for i, inbox in enumerate(self.group.inboxes):
             if i != self.me:
-                inbox.append(PeerPrediction(workers, tuple(hashes)))
+                inbox.append(event)
 
-    def take_predictions(self) -> list[PeerPrediction]:
+    def routed(self, workers: tuple[str, ...], hashes: Sequence[int], request: str = "",
+               uncached: int = 0) -> None:
+        self._send(PeerPrediction(workers, tuple(hashes), f"r{self.me}/{request}", uncached))
+
+    def prefill_done(self, request: str) -> None:
+        self._send(PeerPrefillDone(f"r{self.me}/{request}"))
+
+    def ended(self, request: str) -> None:
+        self._send(PeerEnded(f"r{self.me}/{request}"))
+
+    def take_predictions(self) -> list[PeerEvent]:
         out = self.group.inboxes[self.me]
         self.group.inboxes[self.me] = []
         return out
@@ -132,4 +148,5 @@ def test_peer_route_predictions_are_remembered_as_own() -> None:
     assert _router(None).route(prompt).credits == {}  # B alone would not know
     decision = b.route(prompt)
     assert decision.worker == target and decision.credits[target].tokens == 960  # 15 full 64-token blocks
-    assert group.inboxes[0] and group.inboxes[0][0].workers == (target,)  # B's route went to A
+    sent = group.inboxes[0]
+    assert sent and isinstance(sent[0], PeerPrediction) and sent[0].workers == (target,)  # B's route went to A

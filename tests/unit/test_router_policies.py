@@ -78,21 +78,8 @@ def test_prefix_only_weights_do_hot_spot() -> None:
     assert counts == {"w0": 40}
 
 
-def test_ties_rotate_on_an_idle_cluster() -> None:
-    # Released at once, so every worker is always idle: the least recently
-    # chosen wins the tie instead of the first name every time (cost model v1;
-    # v2 breaks ties by rendezvous hash: test_cold_prompts_spread_by_rendezvous).
-    router = make_router(StubIndex(), cost_model="v1")
-    picks = []
-    for _ in range(8):
-        d = router.route(PROMPT)
-        picks.append(d.worker)
-        assert router.release(d.request_id)
-    assert picks == ["w0", "w1", "w2", "w3"] * 2
-
-
 def test_cold_prompts_spread_by_rendezvous() -> None:
-    # Cost model v2 on an idle cluster: a tie goes to the rendezvous winner of the
+    # On an idle cluster a tie goes to the rendezvous winner of the
     # prompt's first uncached block. Different cold prompts spread over the workers
     # (never all on the first one, sgl-project/sglang#32983); the same prompt lands
     # on the same worker every time, and a router listing the workers in another

@@ -17,8 +17,8 @@ from tokenspeed_router.sim.cluster import ClusterConfig, CostModel, RouteChoice,
 from tokenspeed_router.sim.policies import OracleBackend, RouterBackend
 from tokenspeed_router.sim.report import POLICY_ORDER, policy_metrics
 from tokenspeed_router.sim.runner import run_policies, run_policy
+from tokenspeed_router.sim.shapes import WorkloadConfig, generate_workload
 from tokenspeed_router.sim.traces import TokenSynthesizer, TraceRequest
-from tokenspeed_router.sim.workload import WorkloadConfig, generate_workload
 
 
 def _req(i: int, t: float, n: int, ids: tuple[int, ...]) -> TraceRequest:

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.sim.shapes import WorkloadConfig, generate_workload
 from tokenspeed_router.sim.traces import (
     TokenSynthesizer,
     TraceRequest,
@@ -18,7 +19,6 @@ from tokenspeed_router.sim.traces import (
     parse_mooncake,
     trace_summary,
 )
-from tokenspeed_router.sim.workload import WorkloadConfig, generate_workload
 
 
 def _line(ts: int, n: int, ids: list[int], out: int = 10) -> str:

@@ -18,11 +18,11 @@ Reported, per worker count: ingestion blocks/s and events/s (turn batches and
 one-block events); ``match`` p50/p99 in µs *with hashing* for 1k/8k/32k-token
 queries that continue a stored conversation (deep hit on one worker, the
 system prompt on many) and for new conversations (system prompt only);
-``Router.route`` p50/p99 per policy with ``IN_FLIGHT`` requests outstanding,
+``RoutingCore.route`` p50/p99 per policy with ``IN_FLIGHT`` requests outstanding,
 and its ratio to ``round_robin`` (the cache-blind floor) measured in the same
 run; removal blocks/s; the RSS growth of ingestion per stored block.
 
-Only public APIs are used (``KvIndex``, ``Router``). The lab version, with a
+Only public APIs are used (``KvIndex``, ``RoutingCore``). The lab version, with a
 side-by-side run of NVIDIA Dynamo's RadixTree, memory counted object by
 object and the uncompacted index, is ``benchmarks/bench_index.py``.
 """
@@ -46,8 +46,9 @@ import numpy as np
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.events.schema import BlockHash, BlockRemoved, BlockStored, KVEventBatch
 from tokenspeed_router.percentiles import percentile
+from tokenspeed_router.router.core import RoutingCore
 from tokenspeed_router.router.index import KvIndex
-from tokenspeed_router.router.router import Router, RouterConfig
+from tokenspeed_router.router.router import RouterConfig
 
 __all__ = [
     "IN_FLIGHT",
@@ -249,7 +250,7 @@ def time_matches(index: KvIndex, queries: Sequence[Any], repeat: int) -> list[fl
     return out
 
 
-def time_routes(router: Router, queries: Sequence[Any], *, in_flight: int = IN_FLIGHT) -> list[float]:
+def time_routes(router: RoutingCore, queries: Sequence[Any], *, in_flight: int = IN_FLIGHT) -> list[float]:
     """Seconds per ``route`` call, keeping ``in_flight`` requests outstanding."""
     window: deque[str] = deque()
     out: list[float] = []
@@ -302,7 +303,7 @@ def bench_route(index: KvIndex, wl: Workload, repeat: int, seed: int) -> dict[st
         base = None
         for policy in POLICIES:
             config = RouterConfig(policy=policy, seed=seed, request_id_prefix="bench")
-            router = Router(index if policy != "approx" else None, config)
+            router = RoutingCore(config, index=index)  # the core serve runs, on the loaded index
             for name in wl.names:
                 router.add_worker(name)
             time_routes(router, qs)  # warm-up; also fills the approx store

@@ -55,6 +55,10 @@ def _direct_targets(specs: list[str]) -> list[EngineTarget]:
     names = [w.name for w in workers]
     if len(set(names)) != len(names):
         raise ConfigError("--worker: two workers share a name")
+    missing = [w.name for w in workers if w.url is None]
+    if missing:  # bad usage, not a failed check: the doctor sends its canaries to url=
+        raise ConfigError(f"--worker {', '.join(missing)}: no url= (the engine's OpenAI API, where the doctor "
+                          "sends its canaries): give url=http://HOST:PORT")
     return [EngineTarget(w.name, w.url, stream_targets(w.name, w.subscribers())) for w in workers]
 
 

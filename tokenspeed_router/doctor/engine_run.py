@@ -199,14 +199,27 @@ class _EngineRun:
                     name, f"{check.detail} ({what})", "restarted")
 
     def _blame_events(self) -> None:
-        """Checks not run for want of events share the events check's cause (crossed, topic, ...)."""
+        """Checks not run for want of events share the events check's cause (crossed, topic, ...).
+
+        So does ``reuse`` when none of this engine's canary events reached its
+        streams: the router then predicts from what the spec's endpoints carry
+        (another engine's stream when they are crossed, nothing when they are
+        dead), and "reused another number than predicted" would hide why.
+        """
         events = self.checks.get("events")
         if events is None or events.ok or events.cause is None or events.fix is None:
             return
         cause = Cause(events.cause, events.fix)
+        blind = not getattr(self, "probe_a", _Probe([])).events
         for name, check in list(self.checks.items()):
-            if name != "events" and not check.ok and check.cause == CAUSES["no_events"].cause:
+            if name == "events" or check.ok:
+                continue
+            if check.cause == CAUSES["no_events"].cause:
                 self.checks[name] = Check.failed(name, check.detail, cause)
+            elif name == "reuse" and blind and check.cause == CAUSES["reuse"].cause:
+                self.checks[name] = Check.failed(
+                    name, f"{check.detail}: no BlockStored of this engine reached the spec's events endpoint, "
+                    "so the prediction could not be this engine's", cause)
 
     def _all_failed(self, detail: str) -> EngineReport:
         return EngineReport(self.t.worker, [Check.failed(n, detail, "engine_api") for n in CHECK_NAMES])

@@ -34,7 +34,15 @@ from tokenspeed_router.events.schema import (
 )
 from tokenspeed_router.events.validation import validate_event
 
-__all__ = ["BatchDecoder", "WireFormat", "check_event", "decode_batch", "encode_batch", "validate_event"]
+__all__ = [
+    "BatchDecoder",
+    "WireFormat",
+    "check_event",
+    "decode_batch",
+    "encode_batch",
+    "only_unknown_events",
+    "validate_event",
+]
 
 WireFormat = Literal["map", "array"]
 
@@ -157,6 +165,26 @@ _default_decoder = BatchDecoder()
 def decode_batch(payload: bytes | bytearray | memoryview) -> KVEventBatch:
     """Decode one payload with a shared decoder (use BatchDecoder per thread)."""
     return _default_decoder.decode(payload)
+
+
+_raw_batch_decoder = msgspec.msgpack.Decoder(_RawBatch)
+
+
+def only_unknown_events(batch: KVEventBatch, payload: bytes | bytearray | memoryview | None) -> bool:
+    """Whether ``batch`` (decoded from ``payload``) lost every event it carried to unknown tags.
+
+    Such a batch (a newer engine's event kinds only, or a stray frame) has
+    nothing to apply and proves nothing about the stream: it must not move
+    the sequence state (``events/sequencing.py``: a *filler*). A batch that
+    carried no event at all is an ordinary, valid batch. Cheap: only an empty
+    result is looked at again.
+    """
+    if batch.events or payload is None:
+        return False
+    try:
+        return len(_raw_batch_decoder.decode(payload).events) > 0
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
 
 
 _encoder = msgspec.msgpack.Encoder()

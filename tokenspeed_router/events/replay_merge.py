@@ -12,7 +12,7 @@ read, on its own (``tests/unit/test_events_replay_merge.py``).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -101,6 +101,7 @@ def merge_replay(
     *,
     fresh: bool,
     failure: str | None,
+    fillers: Container[int] = frozenset(),
 ) -> MergePlan:
     """Merge a replay answer with the live messages held meanwhile (pure).
 
@@ -115,7 +116,9 @@ def merge_replay(
     and lost live, so the ring can still supply them (a new gap, a new replay;
     found by ``benchmarks/faults.py`` at 10 % frame loss, where treating them
     as lost cascaded into resyncs). ``fresh`` (the very first connection)
-    turns the first hole into history, not a loss.
+    turns the first hole into history, not a loss. Seqs in ``fillers`` came
+    as well-formed batches with nothing to apply (``sequencing.py``): a hole
+    made of them is no loss.
     """
     merged: dict[int, Message] = {}
     for message in replayed:
@@ -138,6 +141,8 @@ def merge_replay(
     steps: list[Message | Loss] = []
     expected = start
     for seq in sorted(merged):
+        while expected < seq and expected in fillers:
+            expected += 1
         if seq > expected:
             if newest_live is not None and expected > newest_live:
                 break

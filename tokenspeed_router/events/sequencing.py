@@ -23,7 +23,24 @@ are byte-identical to the live ones in every engine (see
 reliable; batches carry their publish time, so a new process does not repeat
 the bytes of an old one.
 
-Complexity: O(1) per observation; memory O(window).
+Batches that cannot move the state. Only a batch that decoded and
+validated is ever observed: the callers (the subscriber, log replay) count and
+skip anything else *before* it reaches this module, whatever its seq says, so a
+malformed frame can neither declare a gap nor fake a restart. A well-formed
+batch whose every event is of a kind this router does not know (a newer
+engine's, or a stray frame's; ``codec.only_unknown_events``) is no evidence
+either: it is noted as a *filler*
+(:meth:`SequenceTracker.note_filler`) and changes nothing by itself. A gap
+made only of filler seqs is flagged ``covered``: with nothing to replay it
+from (log replay, a stream without a replay endpoint) it is no loss -- the
+engine did publish those batches, we had nothing to apply from them -- while
+a subscriber that can replay still asks, so that a real batch lost under a
+seq some stray frame also used is still fetched. So a stray batch of unknown
+kinds under the last seq is not a restart, and a newer engine's is not a
+loss. A batch with no event at all is an ordinary batch (tools publish them
+as probes; a restarted publisher's may reuse a seq).
+
+Complexity: O(1) per observation (a gap walks its filler seqs); memory O(window).
 """
 
 from __future__ import annotations
@@ -33,6 +50,9 @@ import zlib
 from dataclasses import dataclass
 
 __all__ = ["SequenceTracker", "Verdict", "VerdictKind"]
+
+#: Filler seqs remembered at most (a flood of empty batches cannot grow memory or slow accepts).
+_MAX_FILLERS = 1024
 
 
 class VerdictKind(enum.Enum):
@@ -57,6 +77,9 @@ class Verdict:
     got: int
     expected: int | None
     last: int | None
+    covered: bool = False
+    """A GAP whose every missing seq was noted as a filler (:meth:`SequenceTracker.note_filler`):
+    no loss, unless a replay can still bring a batch there."""
 
     @property
     def missing(self) -> int:
@@ -89,6 +112,7 @@ class SequenceTracker:
         self._epoch = 0
         self._window = window
         self._recent: dict[int, tuple[int, int]] = {}
+        self._fillers: dict[int, None] = {}  # insertion-ordered set, bounded by window
 
     @property
     def expected_seq(self) -> int | None:
@@ -111,7 +135,9 @@ class SequenceTracker:
         if expected is None or seq == expected:
             return Verdict(VerdictKind.IN_ORDER, seq, expected, self._last)
         if seq > expected:
-            return Verdict(VerdictKind.GAP, seq, expected, self._last)
+            fillers = self._fillers
+            covered = bool(fillers) and all(s in fillers for s in range(expected, seq))
+            return Verdict(VerdictKind.GAP, seq, expected, self._last, covered)
         if self._is_duplicate(seq, payload):
             return Verdict(VerdictKind.DUPLICATE, seq, expected, self._last)
         return Verdict(VerdictKind.RESTART, seq, expected, self._last)
@@ -124,8 +150,25 @@ class SequenceTracker:
         if verdict.kind is VerdictKind.RESTART:
             self._epoch += 1
             self._recent.clear()
+            self._fillers.clear()
         self._accept(seq, payload)
         return verdict
+
+    def note_filler(self, seq: int) -> None:
+        """``seq`` carried a well-formed batch with nothing to apply (module docstring).
+
+        It moves nothing; a later gap over filler seqs only is not a loss.
+        """
+        if seq < 0 or (self._expected is not None and seq < self._expected) or not self._window:
+            return
+        fillers = self._fillers
+        fillers[seq] = None
+        if len(fillers) > min(self._window, _MAX_FILLERS):
+            del fillers[next(iter(fillers))]
+
+    def is_filler(self, seq: int) -> bool:
+        """Whether ``seq`` was noted by :meth:`note_filler` (and is still remembered)."""
+        return seq in self._fillers
 
     def matches(self, seq: int, payload: bytes | bytearray | memoryview) -> bool | None:
         """Whether ``payload`` is what was accepted under ``seq`` (None: not remembered)."""
@@ -145,6 +188,7 @@ class SequenceTracker:
         self._expected = next_seq
         self._last = None
         self._recent.clear()
+        self._fillers.clear()
 
     def new_epoch(self) -> int:
         """Count a restart learnt from outside the seq stream; returns the new epoch."""
@@ -155,6 +199,9 @@ class SequenceTracker:
     def _accept(self, seq: int, payload: bytes | bytearray | memoryview | None) -> None:
         self._last = seq
         self._expected = seq + 1
+        if self._fillers:
+            for old in [f for f in self._fillers if f <= seq]:
+                del self._fillers[old]
         if payload is not None and self._window:
             recent = self._recent
             recent.pop(seq, None)

@@ -60,9 +60,14 @@ once, and reports ResyncNeeded if the ring has moved past it.
 
 Bad input. A frame list that is not ``[topic, 8-byte seq, payload]``, a topic
 other than the subscribed one, a payload above ``max_payload_bytes`` or one
-the decoder rejects is counted by reason (:meth:`statistics`), logged at most
-once per reason per interval, and skipped. Only the batch decoder's
-:class:`WireError` is expected there; nothing malformed stops the stream.
+the decoder rejects (undecodable, not a batch, an event that does not
+validate) is counted by reason (:meth:`statistics`), logged at most once per
+reason per interval, and skipped *before* its seq is looked at: whatever seq
+it carries, it cannot declare a gap, fake a restart or count as a duplicate.
+A well-formed batch whose every event is of a kind we do not know is skipped
+too and only noted as a filler seq (``sequencing.py``). Only the batch decoder's :class:`WireError` is
+expected there; nothing malformed stops the stream or changes what is
+delivered.
 
 Threading: a subscriber and its sockets belong to one thread (zmq sockets are
 not thread safe). Limits: a publisher that restarts and whose first batch we
@@ -86,7 +91,7 @@ from types import MappingProxyType, TracebackType
 import zmq
 
 from tokenspeed_router.errors import WireError
-from tokenspeed_router.events.codec import BatchDecoder, decode_batch
+from tokenspeed_router.events.codec import BatchDecoder, decode_batch, only_unknown_events
 from tokenspeed_router.events.curve import CurveClientKeys
 from tokenspeed_router.events.frames import (
     END_SEQ,
@@ -258,7 +263,7 @@ class SubscriberStatistics:
     duplicates: int
     malformed: Mapping[str, int]
     """Skipped messages by reason (frame_count, seq_length, topic, payload_size,
-    payload_decode, replay_frame)."""
+    payload_decode, no_known_events, replay_frame)."""
     gaps: int
     replay_requests: int
     replay_timeouts: int
@@ -288,6 +293,18 @@ class _Replay:
     target_seq: int | None  # the live seq that triggered it (held, merged at the end)
     deadline: float  # time.monotonic()
     items: list[Message]
+
+
+class _Fillers:
+    """The tracker's filler seqs as a container (``merge_replay`` asks ``seq in fillers``)."""
+
+    __slots__ = ("_tracker",)
+
+    def __init__(self, tracker: SequenceTracker) -> None:
+        self._tracker = tracker
+
+    def __contains__(self, seq: object) -> bool:
+        return isinstance(seq, int) and self._tracker.is_filler(seq)
 
 
 class EventSubscriber:
@@ -652,16 +669,27 @@ class EventSubscriber:
                 len(payload), self._max_payload_bytes,
             )
             return None
+        seq = decode_seq(seq_frame)
         ts = _scan_batch(payload) if _scan_batch is not None else None
         batch: KVEventBatch | None = None
         if ts is None:  # not provably the common case: the typed decoder decides
+            unknown_before = self._decoder.unknown_events
             try:
                 batch = self._decoder.decode(payload)
             except WireError as err:
                 self._malformed_frame("payload_decode", "%s", err)
                 return None
+            if only_unknown_events(batch, payload):
+                # Nothing to apply: no evidence of a restart or a gap either (sequencing.py).
+                self._tracker.note_filler(seq)
+                self._malformed_frame(
+                    "no_known_events", "batch seq %d carries only events of kinds this router does "
+                    "not know (%d); skipped, it moves nothing",
+                    seq, self._decoder.unknown_events - unknown_before,
+                )
+                return None
             ts = batch.ts
-        return Message(decode_seq(seq_frame), payload, batch, topic, now, replayed, ts)
+        return Message(seq, payload, batch, topic, now, replayed, ts)
 
     def _parse_replay(self, frames: list[bytes]) -> Message | bool:
         """A replayed message, True for the end marker, False for a skipped frame."""
@@ -696,6 +724,8 @@ class EventSubscriber:
             self._deliver(message, out)
         elif kind is VerdictKind.DUPLICATE:
             self._duplicates += 1
+        elif kind is VerdictKind.GAP and verdict.covered and self._replay_endpoint is None:
+            self._deliver(message, out)  # only filler seqs were skipped: no loss (sequencing.py)
         elif kind is VerdictKind.GAP:
             self._gaps += 1
             expected = verdict.expected if verdict.expected is not None else message.seq
@@ -891,6 +921,7 @@ class EventSubscriber:
             replay.start_seq, replay.items, self._held,
             fresh=replay.purpose is ReplayPurpose.JOIN,  # very first connection: old history is no loss
             failure=failure,
+            fillers=_Fillers(self._tracker),
         )
         for _ in range(plan.held_consumed):
             self._held.popleft()

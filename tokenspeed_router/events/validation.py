@@ -5,7 +5,8 @@ types; this module checks what types cannot say: a BlockStored names at least
 one block of a positive size, carries as many token ids as its blocks can
 hold (the last block may be partial), or none at all with 64-bit content
 hashes for ids and parent (a pre-hashed event, from a ``--hashes-only`` relay,
-DESIGN §12).
+DESIGN §12), or, when it is one of ``KvIndex.dump_events``' own (its
+``extra_keys`` carry :data:`DUMP_CONTENT_KEY`), one 64-bit content id per block.
 
 Who calls it: ``events/codec.py`` on every decoded event (a malformed event
 fails its batch's decode) and ``KvIndex.apply`` on every event before it
@@ -22,9 +23,16 @@ from __future__ import annotations
 from tokenspeed_router.errors import WireError
 from tokenspeed_router.events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 
-__all__ = ["is_hash64", "token_count_ok", "validate_event"]
+__all__ = ["DUMP_CONTENT_KEY", "DUMP_UNMATCHABLE_KEY", "is_hash64", "token_count_ok", "validate_event"]
 
 _M64 = (1 << 64) - 1
+
+#: ``extra_keys`` marker of the events ``KvIndex.dump_events`` writes: they carry
+#: the content ids themselves (the index keeps no token ids). Checked here, with
+#: every other rule, so that a subscriber refuses a malformed one before its seq
+#: can move anything.
+DUMP_CONTENT_KEY = "tokenspeed_router.content_ids"
+DUMP_UNMATCHABLE_KEY = "tokenspeed_router.unmatchable"
 
 
 def is_hash64(x: object) -> bool:
@@ -58,5 +66,17 @@ def validate_event(event: object, context: str = "") -> None:
                 f"{context}BlockStored has {n} block hashes of size {bs} but {num} token ids "
                 f"(expected {(n - 1) * bs + 1}..{n * bs})"
             )
+        xk = event.extra_keys
+        if type(xk) is dict and DUMP_CONTENT_KEY in xk:
+            ids = xk[DUMP_CONTENT_KEY]
+            bad = xk.get(DUMP_UNMATCHABLE_KEY, [])
+            if (
+                not isinstance(ids, list)
+                or len(ids) != n
+                or not all(is_hash64(c) for c in ids)
+                or not isinstance(bad, list)
+                or not all(type(i) is int and 0 <= i < n for i in bad)
+            ):
+                raise WireError(f"{context}malformed dumped content ids")
     elif not isinstance(event, (BlockRemoved, AllBlocksCleared)):
         raise WireError(f"{context}not a KV event: {type(event).__name__}")

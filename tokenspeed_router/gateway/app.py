@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 import aiohttp
 import msgspec
@@ -30,6 +30,7 @@ from tokenspeed_router.auth import check_bearer
 from tokenspeed_router.errors import RouterApiError, TokenspeedError
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.gateway.explain import EXPLAIN_HEADER, explain_requested
+from tokenspeed_router.gateway.host import GatewayHost
 from tokenspeed_router.gateway.openai import (
     OpenAIError,
     ParsedRequest,
@@ -42,19 +43,18 @@ from tokenspeed_router.gateway.tracing import TRACE_HEADERS, load_tracer
 from tokenspeed_router.gateway.truth import TruthCollector, TruthLoop
 from tokenspeed_router.gateway.upstream import Upstreams
 
-__all__ = ["Gateway"]
+__all__ = ["ChatMessage", "DoctorExpectRequest", "Gateway"]
 
 logger = logging.getLogger(__name__)
 
 class Gateway:
     """The OpenAI-compatible front of one :class:`RouterService`."""
 
-    def __init__(self, service: Any, config: GatewayConfig) -> None:
+    def __init__(self, service: GatewayHost, config: GatewayConfig) -> None:
         self._service = service
         self.config = config
         self.upstreams = Upstreams(service, config)
-        self.truth = TruthLoop(config.truth_window, service.set_distrusted,
-                               on_trust=getattr(service, "set_trust", None))
+        self.truth = TruthLoop(config.truth_window, service.set_distrusted, on_trust=service.set_trust)
         #: the ``--tokenizer`` choice; ``POST /doctor/expect`` answers with it too
         self.tokenizer = load_tokenizer(config.tokenizer, self.upstreams.client)
         self.proxy = Proxy(service, config, self.upstreams, self.tokenizer, self.truth)
@@ -281,25 +281,31 @@ class Gateway:
         caches and reports. No side effects (nothing is routed or counted in flight).
         """
         self._check(scope)
+        raw = await self._body(scope, receive)
         try:
-            body = msgspec.json.decode(await self._body(scope, receive))
+            body = msgspec.json.decode(raw)
+            req = msgspec.convert(body, DoctorExpectRequest)  # typed checks; the dict goes to the tokenizer
+        except msgspec.ValidationError as err:
+            raise OpenAIError(400, f"invalid request: {err}", code="invalid_body") from None
         except msgspec.DecodeError as err:
             raise OpenAIError(400, f"invalid JSON: {err}", code="invalid_body") from None
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "the body must be a JSON object", code="invalid_body")
-        worker = body.get("worker")
-        spec = self._service.worker_specs().get(worker) if isinstance(worker, str) else None
+        except RecursionError:
+            raise OpenAIError(400, "invalid JSON: nested too deeply", code="invalid_body") from None
+        spec = self._service.worker_specs().get(req.worker) if req.worker is not None else None
         url = spec.url if spec is not None else None
         try:
-            if isinstance(body.get("token_ids"), list):
-                tokens = body["token_ids"]
-            elif isinstance(body.get("messages"), list):
+            if req.token_ids is not None:
+                tokens = req.token_ids
+            elif req.messages is not None:
                 tokens = await self.tokenizer.chat_tokens(body, url)
-            elif isinstance(body.get("prompt"), str):
-                tokens = await self.tokenizer.completion_tokens(body["prompt"], body, url)
+            elif req.prompt is not None:
+                tokens = await self.tokenizer.completion_tokens(req.prompt, body, url)
             else:
                 raise OpenAIError(400, "give token_ids, a string prompt or chat messages", code="invalid_body")
         except TokenizeError as err:
+            if err.client_error:  # the engine refused the prompt, or no worker with a url was named
+                raise OpenAIError(400, f"tokenizing failed: {err}", param="worker" if url is None else None,
+                                  code="tokenize_failed") from None
             raise OpenAIError(502, f"tokenizing failed: {err}", code="tokenize_failed") from None
         try:
             detail = self._service.match(tokens).to_dict()
@@ -307,6 +313,23 @@ class Gateway:
             raise OpenAIError(400, str(err), code="invalid_body") from None
         await _send_json(send, 200, {"token_ids": tokens, "scores": detail["scores"],
                                      "block_size": detail["block_size"]})
+
+
+class ChatMessage(msgspec.Struct):
+    """A chat message as the router checks it (the rest goes to the chat template as sent)."""
+
+    role: Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class DoctorExpectRequest(msgspec.Struct):
+    """``POST /doctor/expect``: a prompt as ``token_ids``, a string ``prompt`` or chat ``messages``
+    (checked in that order). ``worker`` names the worker whose engine tokenizes
+    (``--tokenizer engine``); chat-template fields pass on as in a chat request."""
+
+    worker: str | None = None
+    token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]] | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
 
 
 async def _wait_disconnect(receive: Receive) -> None:

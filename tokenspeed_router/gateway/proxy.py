@@ -34,6 +34,7 @@ from tokenspeed_router.asgi import Send, send_response
 from tokenspeed_router.errors import NoWorkerAvailableError, TokenspeedError, api_error
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.gateway.explain import ROUTE_HEADER, route_header
+from tokenspeed_router.gateway.host import GatewayHost
 from tokenspeed_router.gateway.http1 import ConnectFailed, Http1Response, UpstreamError
 from tokenspeed_router.gateway.openai import OpenAIError, ParsedRequest
 from tokenspeed_router.gateway.sse import SseRelay, sse_error_event
@@ -114,7 +115,7 @@ class _Plan:
 class Proxy:
     """Carries requests to engines; one per gateway."""
 
-    def __init__(self, service: Any, config: GatewayConfig, upstreams: Upstreams,
+    def __init__(self, service: GatewayHost, config: GatewayConfig, upstreams: Upstreams,
                  tokenizer: PromptTokenizer, truth: TruthLoop) -> None:
         self._service = service
         self._config = config
@@ -394,7 +395,7 @@ class Proxy:
             self._truth.observe_unreported(stream)
             return
         # a lock-free read of one worker's state (benign race: at worst one sample more or less)
-        if self._service.ingestor.is_cold(stream):
+        if self._service.is_cold(stream):
             return  # its index entries are known to be incomplete (stale, resyncing): no evidence
         prompt_tokens = usage.get("prompt_tokens")
         n = prompt_tokens if type(prompt_tokens) is int and prompt_tokens > 0 else len(tokens)

@@ -58,7 +58,16 @@ _INLINE_CHARS = 8192
 
 
 class TokenizeError(TokenspeedError):
-    """A prompt could not be tokenized (engine answer, template error)."""
+    """A prompt could not be tokenized (engine answer, template error).
+
+    ``client_error``: the input itself was refused (the engine answered 4xx,
+    or no engine was named to ask), so an API that asked on a client's behalf
+    answers 400, not 502.
+    """
+
+    def __init__(self, message: str, *, client_error: bool = False) -> None:
+        super().__init__(message)
+        self.client_error = client_error
 
 
 class PromptTokenizer(Protocol):
@@ -121,7 +130,7 @@ class EngineTokenizer:
 
     async def _ask(self, url: str | None, payload: dict[str, Any]) -> list[int]:
         if url is None:
-            raise TokenizeError("no worker with a url to ask for /tokenize")
+            raise TokenizeError("no worker with a url to ask for /tokenize", client_error=True)
         key = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         hit = self._cache.get(key)
         if hit is not None:
@@ -133,7 +142,8 @@ class EngineTokenizer:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
             raise TokenizeError(f"{url}/tokenize: {type(err).__name__}: {err}") from err
         if status != 200:
-            raise TokenizeError(f"{url}/tokenize answered {status}: {content[:200]!r}")
+            raise TokenizeError(f"{url}/tokenize answered {status}: {content[:200]!r}",
+                                client_error=400 <= status < 500)
         try:
             tokens = _token_answer(json.loads(content), url)
         except ValueError as err:

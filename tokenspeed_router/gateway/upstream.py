@@ -28,11 +28,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 
 from tokenspeed_router.gateway.config import GatewayConfig
+from tokenspeed_router.gateway.host import GatewayHost
 from tokenspeed_router.gateway.http1 import (
     ConnectFailed,
     ConnectionDropped,
@@ -82,7 +82,7 @@ class Target:
 class Upstreams:
     """Targets of the service's workers, the pooled client, and down marking."""
 
-    def __init__(self, service: Any, config: GatewayConfig) -> None:
+    def __init__(self, service: GatewayHost, config: GatewayConfig) -> None:
         self._service = service
         self._config = config
         self._client: aiohttp.ClientSession | None = None

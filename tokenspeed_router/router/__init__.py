@@ -3,6 +3,8 @@
 * :class:`KvIndex` — which worker holds which prefix blocks, fed by KV events.
 * :class:`IndexIngestor` — folds subscriber items / recorded batches into the
   index and tracks each worker's lifecycle (live, resyncing, stale).
+* :class:`RoutingCore` — the index, its ingestor and the router wired once:
+  what ``serve``, ``simulate``, ``replay`` and the state backend all run.
 * :class:`Router` — picks a worker, or a prefill/decode pair, per request by
   a cost that weighs uncached prefill work against load (:class:`RouterConfig`).
 * :class:`RouteDecision` — its answer: the ``POST /route`` fields plus each
@@ -10,6 +12,7 @@
   when asked, a :class:`RouteExplanation` of every :class:`CandidateCost`.
 """
 
+from tokenspeed_router.router.core import RoutingCore
 from tokenspeed_router.router.decision import (
     CandidateCost,
     CreditSource,
@@ -47,6 +50,7 @@ __all__ = [
     "Router",
     "RouterConfig",
     "RouterStatistics",
+    "RoutingCore",
     "WorkerInfo",
     "WorkerLoad",
     "WorkerRole",

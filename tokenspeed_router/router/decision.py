@@ -93,11 +93,14 @@ class PrefixCredit(msgspec.Struct, frozen=True):
 
 
 class CostTerms(msgspec.Struct, frozen=True):
-    """One candidate's cost as the router's cost loop computed it (``explain=True`` only).
+    """One candidate's cost as the cost model computed it (``explain=True`` only).
 
     Load terms include other replicas' load on the worker when it was added.
     ``cost`` is None for the cache-blind baselines (``random``,
-    ``round_robin``), which compute none.
+    ``round_robin``), which compute none; so are the engine terms
+    (``queue_s``: seconds of prefill queued ahead on the engine's clock,
+    ``prefill_tokens_per_s``/``prefill_overhead_s``: its fitted speed), which
+    decision replay reads back to price a logged decision as it was priced.
     """
 
     pool: str
@@ -108,6 +111,9 @@ class CostTerms(msgspec.Struct, frozen=True):
     active_tokens: int
     active_requests: int
     cost: float | None
+    queue_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+    prefill_overhead_s: float | None = None
 
 
 class CandidateCost(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,9 +126,11 @@ class CandidateCost(msgspec.Struct, frozen=True, kw_only=True):
     approximate credits count as ``gpu``, as the cost does).
     ``uncached_tokens`` = ``num_tokens - credited_tokens`` (>= 0);
     ``queue_tokens``: prefill tokens queued on the worker (its pending
-    prefill); ``cost`` = ``scoring.worker_cost`` of those terms (None for a
-    baseline policy); ``cold``: its prefix was not trusted (resyncing, stale,
-    or flagged by the truth loop), so it was credited nothing.
+    prefill); ``queue_s``, ``prefill_tokens_per_s``, ``prefill_overhead_s``:
+    the engine terms the cost model used (``router/cost.py``); ``cost``: the
+    estimated TTFT in seconds those terms give (None for a baseline policy);
+    ``cold``: its prefix was not trusted (resyncing, stale, or flagged by the
+    truth loop), so it was credited nothing.
     """
 
     worker: str
@@ -141,6 +149,9 @@ class CandidateCost(msgspec.Struct, frozen=True, kw_only=True):
     cold: bool
     chosen: bool
     reason: str
+    queue_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+    prefill_overhead_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form: the DESIGN §13 candidate keys, then the other terms."""
@@ -161,6 +172,9 @@ class CandidateCost(msgspec.Struct, frozen=True, kw_only=True):
             "active_tokens": self.active_tokens,
             "active_requests": self.active_requests,
             "cold": self.cold,
+            "queue_s": self.queue_s,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "prefill_overhead_s": self.prefill_overhead_s,
         }
 
 
@@ -215,9 +229,12 @@ def _lost_by(r: CostTerms, win: CostTerms | None) -> str:
     """Why ``r`` lost to the winner ``win``: the margin, and the two terms an operator checks first."""
     if win is None or win.cost is None or r.cost is None:
         return "higher cost"
+    if r.queue_s is not None and win.queue_s is not None:
+        queued = f"queued {r.queue_s:.3g} vs {win.queue_s:.3g} s"
+    else:
+        queued = f"queued prefill {r.queue_tokens} vs {win.queue_tokens}"
     return (f"higher cost: {r.cost:.6g} vs {win.cost:.6g} on {win.worker} "
-            f"(uncached {r.uncached_tokens:.6g} vs {win.uncached_tokens:.6g} tokens, "
-            f"queued prefill {r.queue_tokens} vs {win.queue_tokens})")
+            f"(uncached {r.uncached_tokens:.6g} vs {win.uncached_tokens:.6g} tokens, {queued})")
 
 
 def explain_pool(
@@ -272,6 +289,9 @@ def explain_pool(
             cold=is_cold,
             chosen=is_chosen,
             reason=reason,
+            queue_s=r.queue_s,
+            prefill_tokens_per_s=r.prefill_tokens_per_s,
+            prefill_overhead_s=r.prefill_overhead_s,
         ))
     return out
 

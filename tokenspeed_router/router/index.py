@@ -60,7 +60,11 @@ from tokenspeed_router.events.schema import (
     Event,
     KVEventBatch,
 )
-from tokenspeed_router.events.validation import validate_event
+from tokenspeed_router.events.validation import (
+    DUMP_CONTENT_KEY,
+    DUMP_UNMATCHABLE_KEY,
+    validate_event,
+)
 from tokenspeed_router.hashing import HASH_VERSION, root_seed
 from tokenspeed_router.router.index_core import CoreName, IndexCore, WorkerInfo
 from tokenspeed_router.router.index_reference import ReferenceCore
@@ -96,10 +100,6 @@ logger = logging.getLogger(__name__)
 SNAPSHOT_VERSION = 1
 SNAPSHOT_FORMAT = "tokenspeed-router/kv-index"
 
-#: ``extra_keys`` marker of the events ``dump_events`` writes: they carry the
-#: content ids themselves (the index keeps no token ids), see ``dump_events``.
-DUMP_CONTENT_KEY = "tokenspeed_router.content_ids"
-DUMP_UNMATCHABLE_KEY = "tokenspeed_router.unmatchable"
 
 NATIVE_AVAILABLE = _native is not None
 if _native is not None:
@@ -413,21 +413,6 @@ class KvIndex:
     def _validate(self, worker: str, ev: Event) -> None:
         """Reject a malformed event before anything of the batch is applied."""
         validate_event(ev, f"worker {worker!r}: ")
-        if isinstance(ev, BlockStored):
-            xk = ev.extra_keys
-            if type(xk) is dict and DUMP_CONTENT_KEY in xk:
-                # what dump_events writes (an index's own format, so checked here)
-                n = len(ev.block_hashes)
-                ids = xk[DUMP_CONTENT_KEY]
-                bad = xk.get(DUMP_UNMATCHABLE_KEY, [])
-                if (
-                    not isinstance(ids, list)
-                    or len(ids) != n
-                    or not all(type(c) is int for c in ids)
-                    or not isinstance(bad, list)
-                    or not all(type(i) is int and 0 <= i < n for i in bad)
-                ):
-                    raise WireError(f"worker {worker!r}: malformed dumped content ids")
 
     def _store(self, worker: str, ev: BlockStored, counts: list[int]) -> tuple[int, int]:
         """One BlockStored: pick the block grid, then let the core hash and hold it."""

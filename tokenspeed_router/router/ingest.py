@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenspeed_router.errors import IndexConsistencyError, WireError
+from tokenspeed_router.events.codec import only_unknown_events
 from tokenspeed_router.events.schema import AllBlocksCleared, BlockStored, KVEventBatch
 from tokenspeed_router.events.sequencing import SequenceTracker, VerdictKind
 from tokenspeed_router.events.subscriber import (
@@ -124,6 +125,9 @@ class WorkerStatus:
     resyncs: int
     restarts: int
     state_since_s: float
+    batches_skipped: int = 0
+    """Recorded batches whose events were all of unknown kinds (log replay; the live path
+    counts them in the subscriber)."""
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form."""
@@ -142,6 +146,7 @@ class WorkerStatus:
             "resyncs": self.resyncs,
             "restarts": self.restarts,
             "state_since_s": self.state_since_s,
+            "batches_skipped": self.batches_skipped,
         }
 
 
@@ -149,6 +154,7 @@ class _Track:
     __slots__ = (
         "batches_applied",
         "batches_rejected",
+        "batches_skipped",
         "clean_batches",
         "duplicates",
         "epoch",
@@ -173,6 +179,7 @@ class _Track:
         self.events_applied = 0
         self.events_rejected = 0
         self.batches_rejected = 0
+        self.batches_skipped = 0
         self.duplicates = 0
         self.last_batch_ts: float | None = None
         self.last_recv_time_s: float | None = None
@@ -271,11 +278,19 @@ class IndexIngestor:
         A seq going backwards is a publisher restart (clear, live); a jump
         forward is lost batches (clear, resyncing); a repeat is a duplicate
         (skipped). Pass the raw ``payload`` when available: it lets a lower seq
-        with identical bytes count as a duplicate rather than a restart.
+        with identical bytes count as a duplicate rather than a restart. The
+        caller decodes and validates ``batch`` (a record that does not decode
+        never comes here); one whose events were all of unknown kinds moves
+        nothing (counted in ``batches_skipped``), as on the live path.
         """
         t = self._track(worker)
         if t.tracker is None:
             t.tracker = SequenceTracker()
+        if only_unknown_events(batch, payload):
+            # Nothing to apply is no evidence of a restart or a gap (events/sequencing.py).
+            t.tracker.note_filler(seq)
+            t.batches_skipped += 1
+            return
         verdict = t.tracker.observe(seq, payload)
         if verdict.kind is VerdictKind.DUPLICATE:
             t.duplicates += 1
@@ -283,7 +298,7 @@ class IndexIngestor:
         t.epoch = t.tracker.epoch
         if verdict.kind is VerdictKind.RESTART:
             self._restart(worker, t)
-        elif verdict.kind is VerdictKind.GAP:
+        elif verdict.kind is VerdictKind.GAP and not verdict.covered:
             self._resync(worker, t, f"seq gap (expected {verdict.expected}, got {seq})")
         t.last_seq = seq
         self._apply(worker, t, batch, recv_time_s)
@@ -339,6 +354,7 @@ class IndexIngestor:
             resyncs=t.resyncs,
             restarts=t.restarts,
             state_since_s=t.state_since_s,
+            batches_skipped=t.batches_skipped,
         )
 
     def statuses(self) -> dict[str, WorkerStatus]:

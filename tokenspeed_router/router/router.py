@@ -44,20 +44,28 @@ Complexity per ``route``: one index match (hashing included) plus O(workers).
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
-import math
 import random
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from tokenspeed_router.errors import ConfigError, NoWorkerAvailableError
 from tokenspeed_router.hashing import ContentHash
+from tokenspeed_router.router.config import (
+    EngineEstimate,
+    LoadProvider,
+    PeerLoad,
+    RouterConfig,
+    RouterStatistics,
+    WorkerInfo,
+    WorkerRole,
+)
+from tokenspeed_router.router.cost import CostModel, LoadCounters, PoolTrace
 from tokenspeed_router.router.decision import (
     CandidateCost,
     CostTerms,
@@ -67,20 +75,15 @@ from tokenspeed_router.router.decision import (
     RouteExplanation,
     explain_pool,
 )
-from tokenspeed_router.router.engine_belief import EngineBelief, PrefillFit, rendezvous_pick
 from tokenspeed_router.router.index import lora_key
-from tokenspeed_router.router.peer_work import PeerPredictions
+from tokenspeed_router.router.peer_work import PeerEnded, PeerPrediction, PeerPredictions
 from tokenspeed_router.router.scoring import (
     ApproxPrefixStore,
-    CostWeights,
     MatchDetailLike,
     Policy,
     PrefixIndex,
     WorkerLoad,
     credited_tokens,
-    lowest_tied,
-    pick_lowest,
-    sample_softmax,
 )
 
 __all__ = [
@@ -102,235 +105,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class WorkerRole(str, enum.Enum):
-    """What a worker may do in disaggregated serving."""
-
-    BOTH = "both"
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-#: ``load_provider(worker) -> WorkerLoad | None``: the caller's view of a
-#: worker's load (e.g. the simulator's real queues). ``None`` means "use the
-#: router's own in-flight tracking for this worker".
-LoadProvider = Callable[[str], "WorkerLoad | None"]
-
-
-class PeerLoad(Protocol):
-    """Load that other router replicas have in flight, per worker.
-
-    ``peers()`` is read once per routing decision and must be cheap (a cached
-    mapping, never a network round trip); ``changed()`` is called whenever this
-    router's own in-flight load changes (admit, release, prefill done, expiry)
-    so the implementation can publish it soon. Both run under the caller's
-    lock, on the routing thread.
-    """
-
-    def peers(self) -> Mapping[str, WorkerLoad]: ...
-
-    def changed(self) -> None: ...
-
-
-def _finite_nonneg(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
-def _positive(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RouterConfig:
-    """Routing policy and cost weights (validated on construction).
-
-    Weights are in token units (see ``scoring.py``): ``prefill_weight`` per
-    uncached prompt token of this request, ``queue_weight`` per prefill token
-    already queued on the worker, ``decode_weight`` per context token of
-    requests in flight there, ``request_weight`` per in-flight request. The
-    defaults estimate TTFT as "queued prefill + own uncached prefill" with the
-    request's own prefill counted 2.5 times (recomputing a prefix elsewhere also
-    costs later requests and a second copy in another cache), plus a small
-    pull towards workers holding less live KV; routed prompts are remembered
-    for 15 s so siblings co-locate before the engine's events arrive. Both
-    settings were measured on the Mooncake traces (docs/simulation.md).
-    """
-
-    #: One of :class:`Policy` (a plain string such as ``"round_robin"`` works).
-    policy: Policy | str = Policy.KV_AWARE
-    prefill_weight: float = 2.5
-    queue_weight: float = 1.0
-    decode_weight: float = 0.05
-    request_weight: float = 0.0
-    #: Fraction of a block's prefill a CPU-tier (resp. storage-tier) hit saves.
-    cpu_hit_credit: float = 0.75
-    storage_hit_credit: float = 0.25
-    #: 0 = argmin of the cost; > 0 = softmax sampling over range-normalised costs.
-    temperature: float = 0.0
-    #: Seed of the router's own ``random.Random`` when none is passed in.
-    seed: int = 0
-    #: In-flight entries not released within this time stop counting as load.
-    inflight_timeout_s: float = 300.0
-    #: P/D: skip remote prefill when the decode worker misses at most this many tokens.
-    local_prefill_threshold_tokens: int = 512
-    #: Approximate prefix store (workers without events, ``approx`` policy).
-    approx_block_size: int = 64
-    approx_ttl_s: float = 120.0
-    approx_max_blocks_per_worker: int = 100_000
-    #: > 0: also remember routed prompts for event-publishing workers for this
-    #: long, and score each worker by the larger of index and memory, so that
-    #: sibling requests arriving before the engine's BlockStored still
-    #: co-locate (Dynamo's predict-on-route). 0 disables it.
-    predict_on_route_ttl_s: float = 15.0
-    #: Prefix of generated request ids; None = a random one per Router.
-    request_id_prefix: str | None = None
-    #: ``"v2"``: the cost is an estimated TTFT in seconds (``router/engine_belief.py``,
-    #: docs/routing.md "Cost model v2"): a queue clock with a per-prefill overhead,
-    #: a prefill rate fitted per engine, credit trimmed to the blocks that survive
-    #: until the prefill starts, predictions that bridge only the wait for the
-    #: engine's BlockStored, rendezvous tie-breaks. ``"v1"``: the token-unit cost of
-    #: earlier releases (predictions with a TTL refreshed by every sibling).
-    cost_model: str = "v2"
-    #: v2: prior prefill rate and per-prefill overhead, until fitted from first tokens
-    prefill_tokens_per_s: float = 10_000.0
-    prefill_overhead_s: float = 0.020
-    #: v2: fit rate and overhead per engine from observed prefills (False: keep the priors)
-    fit_prefill: bool = True
-    #: v2: a prediction ends this long after its request's first token at the latest
-    #: (the wait for the engine's BlockStored; the first BlockStored batch ends it sooner)
-    prediction_grace_s: float = 1.0
-    #: v2: an engine's KV capacity in tokens for the survival estimate; 0 = learn it
-    #: from its events (the blocks it held when it first evicted)
-    engine_capacity_tokens: int = 0
-    #: v2: blocks whose age is within this fraction below the horizon count half
-    survival_band: float = 0.2
-
-    def __post_init__(self) -> None:
-        try:
-            policy = Policy(self.policy)
-        except ValueError:
-            names = ", ".join(p.value for p in Policy)
-            raise ConfigError(f"unknown policy {self.policy!r}; expected one of {names}") from None
-        object.__setattr__(self, "policy", policy)
-        for name in ("prefill_weight", "queue_weight", "decode_weight", "request_weight"):
-            _finite_nonneg(name, getattr(self, name))
-        for name in ("cpu_hit_credit", "storage_hit_credit"):
-            value = getattr(self, name)
-            _finite_nonneg(name, value)
-            if value > 1.0:
-                raise ConfigError(f"{name} must be in [0, 1], got {value!r}")
-        _finite_nonneg("temperature", self.temperature)
-        _positive("inflight_timeout_s", self.inflight_timeout_s)
-        _positive("approx_ttl_s", self.approx_ttl_s)
-        _finite_nonneg("predict_on_route_ttl_s", self.predict_on_route_ttl_s)
-        if self.cost_model not in ("v1", "v2"):
-            raise ConfigError(f"cost_model must be 'v1' or 'v2', got {self.cost_model!r}")
-        _positive("prefill_tokens_per_s", self.prefill_tokens_per_s)
-        _finite_nonneg("prefill_overhead_s", self.prefill_overhead_s)
-        _finite_nonneg("prediction_grace_s", self.prediction_grace_s)
-        _finite_nonneg("survival_band", self.survival_band)
-        if self.survival_band >= 1.0:
-            raise ConfigError(f"survival_band must be in [0, 1), got {self.survival_band!r}")
-        if not isinstance(self.fit_prefill, bool):
-            raise ConfigError(f"fit_prefill must be a bool, got {self.fit_prefill!r}")
-        for name in (
-            "local_prefill_threshold_tokens",
-            "engine_capacity_tokens",
-            "approx_block_size",
-            "approx_max_blocks_per_worker",
-            "seed",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"{name} must be an int, got {value!r}")
-        if self.local_prefill_threshold_tokens < 0 or self.engine_capacity_tokens < 0:
-            raise ConfigError("local_prefill_threshold_tokens and engine_capacity_tokens must be >= 0")
-        if self.approx_block_size <= 0 or self.approx_max_blocks_per_worker <= 0:
-            raise ConfigError("approx_block_size and approx_max_blocks_per_worker must be > 0")
-
-    @property
-    def policy_name(self) -> str:
-        """The policy as its string value."""
-        return Policy(self.policy).value
-
-    def weights(self) -> CostWeights:
-        """The cost weights as one struct (for ``scoring.worker_cost``)."""
-        return CostWeights(
-            prefill_weight=self.prefill_weight,
-            queue_weight=self.queue_weight,
-            decode_weight=self.decode_weight,
-            request_weight=self.request_weight,
-            cpu_hit_credit=self.cpu_hit_credit,
-            storage_hit_credit=self.storage_hit_credit,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """How the router knows a worker."""
-
-    role: WorkerRole
-    events: bool
-    cold: bool
-
-
 _UNSYNCED: Any = object()
 
 
-@dataclass(frozen=True, slots=True)
-class RouterStatistics:
-    """Counters since construction (a frozen snapshot)."""
-
-    routed: int
-    released: int
-    expired: int
-    in_flight: int
-    remote_prefills: int
-    local_prefills: int
-
-
-@dataclass(frozen=True, slots=True)
-class EngineEstimate:
-    """What cost model v2 believes about one engine (``Router.engine_estimates``).
-
-    ``queue_s``: seconds of prefill queued ahead of a request routed now;
-    ``queued_prefills``: prefills queued or running; the fitted
-    ``prefill_tokens_per_s`` and ``prefill_overhead_s`` (``fit_samples``
-    prefills seen); ``capacity_tokens``: the eviction horizon (None: unknown,
-    no eviction seen yet); ``predictions``: requests whose store is bridged.
-    """
-
-    queue_s: float
-    queued_prefills: int
-    prefill_tokens_per_s: float
-    prefill_overhead_s: float
-    fit_samples: int
-    capacity_tokens: int | None
-    predictions: int
-
-    def to_dict(self) -> dict[str, float | int | None]:
-        return {
-            "queue_s": self.queue_s,
-            "queued_prefills": self.queued_prefills,
-            "prefill_tokens_per_s": self.prefill_tokens_per_s,
-            "prefill_overhead_s": self.prefill_overhead_s,
-            "fit_samples": self.fit_samples,
-            "capacity_tokens": self.capacity_tokens,
-            "predictions": self.predictions,
-        }
-
-
 @dataclass(slots=True)
-class _Worker:
-    name: str
-    role: WorkerRole
-    events: bool
+class _Worker(LoadCounters):
+    name: str = ""
+    role: WorkerRole = WorkerRole.BOTH
+    events: bool = True
     cold: bool = False
-    active_requests: int = 0
-    pending_prefill_tokens: int = 0
-    active_tokens: int = 0
-    last_pick: int = -1  # serial of the last route that chose it (-1: never)
 
 
 @dataclass(slots=True)
@@ -360,24 +143,9 @@ class _Pools:
     remembered: list[str]  # no events: scored from the approximate store
 
 
-_INDEX, _PREDICTED, _APPROX = CreditSource.INDEX, CreditSource.PREDICTED, CreditSource.APPROX
-#: policies that compute a cost (and so keep engine models under v2)
+_INDEX, _APPROX = CreditSource.INDEX, CreditSource.APPROX
+#: policies that compute a cost (and so keep engine models)
 _COST_POLICIES = (Policy.KV_AWARE, Policy.APPROX, Policy.LEAST_LOADED)
-
-#: one pool of an explained decision: cost terms per candidate, choice, tied set, drawn at random
-_PoolTrace = tuple[list[CostTerms], str, frozenset[str], bool]
-
-
-def _cost_terms(
-    pool: str, name: str, k: PrefixCredit | None, uncached: float, load: Any, peer: WorkerLoad | None, cost: float
-) -> CostTerms:
-    """The terms ``Router._choose`` just priced, with other replicas' load folded in."""
-    queue, active, requests = load.pending_prefill_tokens, load.active_tokens, load.active_requests
-    if peer is not None:
-        queue += peer.pending_prefill_tokens
-        active += peer.active_tokens
-        requests += peer.active_requests
-    return CostTerms(pool, name, k, float(uncached), queue, active, requests, cost)
 
 
 class Router:
@@ -430,22 +198,9 @@ class Router:
             ttl_s=config.approx_ttl_s,
             max_blocks=config.approx_max_blocks_per_worker,
         )
-        self._v2 = config.cost_model == "v2"
-        #: v2: per worker, the engine model (queue clock, fit, horizon, bridged predictions)
-        self._engines: dict[str, EngineBelief] = {}
-        #: v2: one fit over every engine's prefills (engines use it until they have their own)
-        self._fleet_fit = PrefillFit(config.prefill_tokens_per_s, config.prefill_overhead_s, forget=0.999)
-        self._name_keys: dict[str, int] = {}
-        self._route_now = 0.0
-        self._route_hashes: list[ContentHash] | None = None
-        self._peer_ids = itertools.count()
-        self._predicted: ApproxPrefixStore | None = None
-        if config.predict_on_route_ttl_s > 0 and not self._v2:
-            self._predicted = ApproxPrefixStore(
-                block_size=config.approx_block_size,
-                ttl_s=config.predict_on_route_ttl_s,
-                max_blocks=config.approx_max_blocks_per_worker,
-            )
+        #: the engines as this router believes them, and the cost (router/cost.py)
+        self._cost = CostModel(config, block_size=config.approx_block_size, rng=self._rng,
+                               load_provider=load_provider)
         self._cursors: dict[str, int] = {}
         self._serial = itertools.count()
         prefix = config.request_id_prefix
@@ -499,7 +254,7 @@ class Router:
         self._removed.discard(name)
         old = self._workers.get(name)
         if old is None:
-            self._workers[name] = _Worker(name, parsed, bool(events))
+            self._workers[name] = _Worker(name=name, role=parsed, events=bool(events))
         else:
             if old.role is not WorkerRole.BOTH:
                 self._num_split_roles -= 1
@@ -530,9 +285,7 @@ class Router:
         for entry in self._inflight.values():
             entry.parts = [p for p in entry.parts if p.worker != name]
         self._approx.clear_worker(name)
-        if self._predicted is not None:
-            self._predicted.clear_worker(name)
-        self._engines.pop(name, None)
+        self._cost.forget(name)
 
     def set_cold(self, name: str, cold: bool) -> None:
         """Cold workers score 0 matched blocks (their index state is not trusted)
@@ -614,21 +367,19 @@ class Router:
         if policy in (Policy.KV_AWARE, Policy.APPROX):
             known, hashes, detail = self._knowledge(token_ids, lora_id, salt, now)
 
-        self._route_now = now
-        self._route_hashes = hashes
-        trace: list[_PoolTrace] | None = [] if explain else None
+        trace: list[PoolTrace] | None = [] if explain else None
         pools = self._membership()
         if self._num_split_roles == 0:
-            decode = self._choose("all", pools.all, num_tokens, known, trace)
+            decode = self._choose("all", pools.all, num_tokens, known, hashes, now, trace)
             prefill = None
         else:
             if not pools.decode:
                 raise NoWorkerAvailableError("no decode-capable worker (role decode or both)")
-            decode = self._choose("decode", pools.decode, num_tokens, known, trace)
+            decode = self._choose("decode", pools.decode, num_tokens, known, hashes, now, trace)
             prefill = None
             uncached = num_tokens - self._tokens(known, decode)
             if uncached > self._config.local_prefill_threshold_tokens and pools.prefill:
-                prefill = self._choose("prefill", pools.prefill, num_tokens, known, trace)
+                prefill = self._choose("prefill", pools.prefill, num_tokens, known, hashes, now, trace)
                 if prefill == decode:
                     prefill = None
 
@@ -639,11 +390,11 @@ class Router:
         else:
             matched_blocks = matched_tokens = 0
             block_size = detail.block_size.get(site, 0) if detail is not None else 0
-        self._admit(request_id, now, num_tokens, known, decode, prefill)
+        uncached = self._admit(request_id, now, num_tokens, known, decode, prefill, hashes)
         if hashes is not None:
             self._remember(hashes, (site, decode), now)
-            if shared is not None:
-                shared.routed((site, decode) if site != decode else (site,), hashes)
+        if shared is not None and policy in _COST_POLICIES:
+            shared.routed((site, decode) if site != decode else (site,), hashes or (), request_id, uncached)
         self._routed += 1
         if prefill is not None:
             self._remote_prefills += 1
@@ -698,7 +449,7 @@ class Router:
         Drops its pending prefill tokens everywhere and its share on a remote
         prefill worker; the decode worker keeps counting it until
         :meth:`release`. Optional: without it, prefill tokens count until release.
-        Cost model v2 also re-anchors the engine's queue clock here, fits its
+        The cost model also re-anchors the engine's queue clock here, fits its
         prefill rate from the service time, and ends the request's prediction
         at the engine's next BlockStored; ``uncached_tokens`` (prompt tokens
         the engine reported it did not reuse) makes the fit exact, else the
@@ -707,14 +458,9 @@ class Router:
         entry = self._inflight.get(request_id)
         if entry is None:
             return False
-        if self._engines:
-            now = self._clock()
-            grace = now + self._config.prediction_grace_s
-            for part in entry.parts:
-                eng = self._engines.get(part.worker)
-                if eng is not None and request_id in eng.pending:
-                    eng.done(request_id, now, uncached_tokens, fit=self._config.fit_prefill)
-                    eng.prediction_done(request_id, grace)
+        self._cost.prefill_done(request_id, [p.worker for p in entry.parts], self._clock(), uncached_tokens)
+        if self._peer_predictions is not None:
+            self._peer_predictions.prefill_done(request_id)
         kept: list[_Part] = []
         if self._peer_load is not None:
             self._peer_load.changed()
@@ -745,20 +491,8 @@ class Router:
         }
 
     def engine_estimates(self) -> dict[str, EngineEstimate]:
-        """Cost model v2's view of each engine it has routed to (empty under v1)."""
-        now = self._clock()
-        return {
-            name: EngineEstimate(
-                queue_s=eng.queue_s(now),
-                queued_prefills=len(eng.pending),
-                prefill_tokens_per_s=eng.fit.rate,
-                prefill_overhead_s=eng.fit.overhead,
-                fit_samples=eng.own_fit.samples,
-                capacity_tokens=None if eng.capacity_tokens == math.inf else int(eng.capacity_tokens),
-                predictions=len(eng.predictions),
-            )
-            for name, eng in self._engines.items()
-        }
+        """The cost model's view of each engine it has routed to."""
+        return self._cost.estimates(self._clock())
 
     def in_flight(self) -> int:
         """Requests currently counted in flight."""
@@ -801,7 +535,7 @@ class Router:
         workers = self._workers
         for name in names:
             if name not in workers and name not in self._removed:
-                workers[name] = _Worker(name, WorkerRole.BOTH, True)
+                workers[name] = _Worker(name=name)
                 self._discovered.add(name)
                 self._pools = None
 
@@ -852,26 +586,12 @@ class Router:
                 else:
                     credit = credited_tokens(blocks, bs, t, weights)
                 known[name] = PrefixCredit(blocks, bs, credit, _INDEX)
-        hashes: list[ContentHash] | None = None
-        predicted = self._predicted
-        if self._v2:
-            hashes = self._approx.hash_prompt(token_ids, lora_key(lora_id), salt)
-            if approx_names:
-                bs = self._approx.block_size
-                for name, blocks in self._approx.match(hashes, approx_names, now).items():
-                    known[name] = PrefixCredit(blocks, bs, float(blocks * bs), _APPROX)
-            self._v2_credit(known, hashes, index_workers, now)
-        elif approx_names or predicted is not None:
-            hashes = self._approx.hash_prompt(token_ids, lora_key(lora_id), salt)
+        hashes = self._approx.hash_prompt(token_ids, lora_key(lora_id), salt)
+        if approx_names:
             bs = self._approx.block_size
-            if approx_names:
-                for name, blocks in self._approx.match(hashes, approx_names, now).items():
-                    known[name] = PrefixCredit(blocks, bs, float(blocks * bs), _APPROX)
-            if predicted is not None and index_workers:
-                for name, blocks in predicted.match(hashes, index_workers, now).items():
-                    have = known.get(name)
-                    if have is None or have.tokens < blocks * bs:
-                        known[name] = PrefixCredit(blocks, bs, float(blocks * bs), _PREDICTED)
+            for name, blocks in self._approx.match(hashes, approx_names, now).items():
+                known[name] = PrefixCredit(blocks, bs, float(blocks * bs), _APPROX)
+        self._cost.credit(known, hashes, index_workers, now)
         for name in self._cold:
             known.pop(name, None)
         for name, trust in self._trust.items():
@@ -882,56 +602,6 @@ class Router:
                 else:
                     known[name] = PrefixCredit(k.blocks, k.block_size, k.credit_tokens * trust, k.source)
         return known, hashes, detail
-
-    def _engine(self, name: str) -> EngineBelief:
-        eng = self._engines.get(name)
-        if eng is None:
-            c = self._config
-            cap = float(c.engine_capacity_tokens) if c.engine_capacity_tokens > 0 else math.inf
-            eng = self._engines[name] = EngineBelief(
-                PrefillFit(c.prefill_tokens_per_s, c.prefill_overhead_s),
-                shared_fit=self._fleet_fit,
-                capacity_tokens=cap,
-                capacity_fixed=c.engine_capacity_tokens > 0,
-            )
-        return eng
-
-    def _v2_credit(
-        self, known: dict[str, PrefixCredit], hashes: list[ContentHash], index_workers: list[str], now: float
-    ) -> None:
-        """Cost model v2's credit: bridged predictions, then the survival trim.
-
-        A prediction reaching deeper than the index credits the prompt as the
-        request in flight will store it; then every credit is cut to the blocks
-        expected to survive until this request's prefill starts (the engine's
-        eviction horizon against the blocks' ages on its insertion clock).
-        """
-        abs_ = self._approx.block_size
-        predict = self._config.predict_on_route_ttl_s > 0
-        band = self._config.survival_band
-        engines = self._engines
-        if predict:
-            for name in index_workers:
-                eng = engines.get(name)
-                if eng is None or not eng.predictions:
-                    continue
-                eng.expire_predictions(now)
-                blocks = eng.predicted_blocks(hashes)
-                if blocks:
-                    have = known.get(name)
-                    if have is None or have.tokens < blocks * abs_:
-                        known[name] = PrefixCredit(blocks, abs_, float(blocks * abs_), _PREDICTED)
-        for name, k in list(known.items()):
-            eng = engines.get(name)
-            if eng is None:
-                continue
-            alive = eng.surviving_blocks(hashes, band)
-            if alive is None:
-                continue
-            sure, likely = alive
-            limit = (sure + 0.5 * (likely - sure)) * abs_
-            if k.credit_tokens > limit:
-                known[name] = PrefixCredit(k.blocks, k.block_size, float(limit), k.source)
 
     @staticmethod
     def _tokens(known: Mapping[str, PrefixCredit], name: str) -> int:
@@ -944,9 +614,11 @@ class Router:
         candidates: list[str],
         num_tokens: int,
         known: Mapping[str, PrefixCredit],
-        trace: list[_PoolTrace] | None = None,
+        hashes: list[ContentHash] | None,
+        now: float,
+        trace: list[PoolTrace] | None = None,
     ) -> str:
-        """Apply the policy to one pool of candidates.
+        """Apply the policy to one pool of candidates (the cost-based ones: ``router/cost.py``).
 
         ``trace`` (``explain=True``): append this pool's cost terms per
         candidate, the choice, the tied set and whether it was drawn at random.
@@ -964,142 +636,8 @@ class Router:
                 blind = [CostTerms(pool, n, None, float(num_tokens), *self._load_terms(n), None) for n in names]
                 trace.append((blind, choice, frozenset(), policy is Policy.RANDOM))
             return choice
-        if self._v2:
-            return self._choose_v2(pool, candidates, num_tokens, known, trace)
-        # scoring.worker_cost, inlined: this loop runs for every worker on every request.
-        weights = self._weights
-        pw, qw = weights.prefill_weight, weights.queue_weight
-        dw, rw = weights.decode_weight, weights.request_weight
-        provider = self._load_provider
-        workers = self._workers
-        get_known = known.get
         peers = self._peer_load.peers() if self._peer_load is not None else None
-        peer_requests: dict[str, int] = {}
-        costs: dict[str, float] = {}
-        terms: list[CostTerms] | None = [] if trace is not None else None
-        best = math.inf
-        for name in candidates:
-            load: Any = workers[name]
-            external = provider(name) if provider is not None else None
-            if external is not None:
-                load = external
-            k = get_known(name)
-            uncached = num_tokens - k.credit_tokens if k is not None else num_tokens
-            if uncached < 0:
-                uncached = 0
-            cost = (
-                pw * uncached
-                + qw * load.pending_prefill_tokens
-                + dw * load.active_tokens
-                + rw * load.active_requests
-            )
-            peer = peers.get(name) if peers and external is None else None
-            if peer is not None:  # other replicas' load on it (not part of a provider's answer)
-                cost += (
-                    qw * peer.pending_prefill_tokens
-                    + dw * peer.active_tokens
-                    + rw * peer.active_requests
-                )
-                peer_requests[name] = peer.active_requests
-            costs[name] = cost
-            if cost < best:
-                best = cost
-            if terms is not None:
-                terms.append(_cost_terms(pool, name, k, uncached, load, peer, cost))
-        sampled = self._config.temperature > 0.0
-        if sampled:
-            choice = sample_softmax(costs, self._config.temperature, self._rng)
-        else:
-            choice = pick_lowest(
-                costs,
-                lambda n: (workers[n].active_requests + peer_requests.get(n, 0), workers[n].last_pick),
-                best=best,
-            )
-        if trace is not None and terms is not None:  # (both or neither)
-            trace.append((terms, choice, frozenset(lowest_tied(costs, best=best)), sampled))
-        return choice
-
-    def _choose_v2(
-        self,
-        pool: str,
-        candidates: list[str],
-        num_tokens: int,
-        known: Mapping[str, PrefixCredit],
-        trace: list[_PoolTrace] | None,
-    ) -> str:
-        """Cost model v2: the estimated TTFT in seconds, ties broken by rendezvous hash.
-
-        cost(w) = queue_weight * queue_s(w) + overhead(w)
-                + (prefill_weight * uncached(w) + decode_weight * active_tokens(w)
-                   + request_weight * active_requests(w)) / rate(w)
-        with ``queue_s`` the engine's queue clock (other replicas' pending
-        prefill added at ``rate``). Ties (within a relative 1e-9, as in v1: idle
-        workers, equal credit) go to the tied worker whose rendezvous weight for
-        the prompt's first uncached block is highest among those with the fewest
-        requests in flight, so replicas and siblings agree.
-        """
-        now = self._route_now
-        weights = self._weights
-        pw, qw = weights.prefill_weight, weights.queue_weight
-        dw, rw = weights.decode_weight, weights.request_weight
-        provider = self._load_provider
-        workers = self._workers
-        get_known = known.get
-        peers = self._peer_load.peers() if self._peer_load is not None else None
-        costs: dict[str, float] = {}
-        terms: list[CostTerms] | None = [] if trace is not None else None
-        best = math.inf
-        for name in candidates:
-            eng = self._engine(name)
-            fit = eng.fit
-            rate = fit.rate
-            load: Any = workers[name]
-            external = provider(name) if provider is not None else None
-            k = get_known(name)
-            uncached = num_tokens - k.credit_tokens if k is not None else num_tokens
-            if uncached < 0:
-                uncached = 0
-            if external is not None:
-                load = external
-                queue_s = external.pending_prefill_tokens / rate
-            else:
-                queue_s = eng.queue_s(now)
-            # scoring.ttft_cost, inlined (this loop runs for every worker on every request)
-            cost = qw * queue_s + fit.overhead + (pw * uncached + dw * load.active_tokens + rw * load.active_requests) / rate
-            peer = peers.get(name) if peers and external is None else None
-            if peer is not None:
-                cost += (qw * peer.pending_prefill_tokens + dw * peer.active_tokens + rw * peer.active_requests) / rate
-            costs[name] = cost
-            if cost < best:
-                best = cost
-            if terms is not None:
-                terms.append(_cost_terms(pool, name, k, uncached, load, peer, cost))
-        sampled = self._config.temperature > 0.0
-        tied = lowest_tied(costs, best=best)
-        if sampled:
-            choice = sample_softmax(costs, self._config.temperature, self._rng)
-        elif len(tied) == 1:
-            choice = tied[0]
-        else:
-            # Fewest in flight first (this router's and the other replicas'), then rendezvous.
-            def in_flight(n: str) -> int:
-                peer = peers.get(n) if peers and provider is None else None
-                return workers[n].active_requests + (peer.active_requests if peer is not None else 0)
-
-            fewest = min(in_flight(n) for n in tied)
-            least = [n for n in tied if in_flight(n) == fewest]
-            hashes = self._route_hashes
-            if len(least) == 1:
-                choice = least[0]
-            elif hashes:
-                abs_ = self._approx.block_size
-                depth = max((known[n].tokens for n in least if n in known), default=0) // abs_
-                choice = rendezvous_pick(int(hashes[min(depth, len(hashes) - 1)]), sorted(least), self._name_keys)
-            else:
-                choice = min(least, key=lambda n: (workers[n].last_pick, n))
-        if trace is not None and terms is not None:
-            trace.append((terms, choice, frozenset(tied), sampled))
-        return choice
+        return self._cost.choose(pool, candidates, num_tokens, known, self._workers, peers, hashes, now, trace)
 
     def _load_terms(self, name: str) -> tuple[int, int, int]:
         """(queued prefill, context tokens, requests) on ``name`` as the cost would see them."""
@@ -1119,7 +657,7 @@ class Router:
 
     def _explanation(
         self,
-        trace: list[_PoolTrace],
+        trace: list[PoolTrace],
         site: str,
         decode: str,
         prefill: str | None,
@@ -1151,8 +689,10 @@ class Router:
         known: Mapping[str, PrefixCredit],
         decode: str,
         prefill: str | None,
-    ) -> None:
-        """Count the request on the chosen workers."""
+        hashes: list[ContentHash] | None,
+    ) -> int:
+        """Count the request on the chosen workers (and on the cost model's engine clocks);
+        returns the prompt tokens it predicts the prefill site computes."""
         entry = _InFlight(request_id, now + self._config.inflight_timeout_s)
         serial = next(self._serial)
         site = prefill if prefill is not None else decode
@@ -1170,96 +710,64 @@ class Router:
             w.pending_prefill_tokens += part.pending_prefill_tokens
             w.active_tokens += part.active_tokens
             w.last_pick = serial
-        if self._v2 and self._policy in _COST_POLICIES:
-            self._admit_v2(request_id, now, uncached, site, decode)
+        if self._policy in _COST_POLICIES:
+            predict = self._workers[site].events and self._policy is not Policy.APPROX
+            self._cost.admit(request_id, now, uncached, site, decode, hashes, predict)
         self._inflight[request_id] = entry
         self._expiry.append(entry)
         if self._peer_load is not None:
             self._peer_load.changed()
-
-    def _admit_v2(self, request_id: str, now: float, uncached: int, site: str, decode: str) -> None:
-        """Queue the prefill on ``site``'s clock, touch its blocks, predict its store."""
-        eng = self._engine(site)
-        eng.admit(request_id, uncached, now)
-        hashes = self._route_hashes
-        if not hashes:
-            return
-        eng.touch(hashes)
-        w = self._workers[site]
-        c = self._config
-        if w.events and self._policy is not Policy.APPROX and c.predict_on_route_ttl_s > 0:
-            # Until its BlockStored can have arrived: at most twice the expected wait plus
-            # the grace, and never beyond the TTL (a request that never reports back).
-            wait = max(eng.free_at - now, 0.0)
-            deadline = now + min(2 * wait + c.prediction_grace_s, c.predict_on_route_ttl_s)
-            eng.predict(request_id, [int(h) for h in hashes], deadline)
-        if decode != site:
-            self._engine(decode).touch(hashes)
+        return uncached
 
     def on_index_applied(self, worker: str, stats: Any) -> None:
-        """An event batch of ``worker`` was applied (``IndexIngestor(on_applied=...)``).
+        """An event batch of ``worker`` was applied (the routing core wires the ingestor here).
 
-        ``stats`` is ``KvIndex.apply``'s :class:`~tokenspeed_router.router.index.ApplyStats`.
-        A batch that stored blocks ends the predictions whose prefill is over (the
-        index holds them now); one that removed blocks tells the engine's capacity.
+        ``stats`` is ``KvIndex.apply``'s :class:`~tokenspeed_router.router.index.ApplyStats`:
+        its stores end the predictions they confirm, its removals tell the
+        engine's capacity (router/cost.py).
         """
-        eng = self._engines.get(worker)
-        if eng is None:
-            return
-        if getattr(stats, "stored_blocks", 0):
-            eng.stored()
         removed = getattr(stats, "removed_blocks", 0)
+        held = None
+        bs = 0
         if removed and self._index is not None:
             count = getattr(self._index, "num_blocks", None)
             bs_of = getattr(self._index, "block_size_of", None)
             bs = (bs_of(worker) if bs_of is not None else None) or 0
-            if count is not None and bs:
-                eng.saw_removal(int(count(worker)) * bs, removed * bs)
+            held = int(count(worker)) if count is not None else None
+        self._cost.applied(worker, getattr(stats, "stored_blocks", 0), removed, held, bs)
 
     def on_index_cleared(self, worker: str) -> None:
         """``worker``'s index entries were dropped (restart, resync): its predictions end too."""
-        eng = self._engines.get(worker)
-        if eng is not None:
-            eng.cleared()
+        self._cost.cleared(worker)
 
     def _remember(self, hashes: list[ContentHash], chosen: tuple[str, ...], now: float) -> None:
         """Record the routed prompt for workers whose knowledge comes from memory."""
         approx_all = self._policy is Policy.APPROX
         for name in dict.fromkeys(chosen):
-            w = self._workers[name]
-            if approx_all or not w.events:
+            if approx_all or not self._workers[name].events:
                 self._approx.record(name, hashes, now)
-            elif self._predicted is not None:
-                self._predicted.record(name, hashes, now)
 
     def _remember_peers(self, shared: PeerPredictions, now: float) -> None:
-        """Remember the other replicas' routes as if this router had made them."""
+        """Take in the other replicas' requests as if this router had routed them (``peer_work.py``)."""
         workers = self._workers
-        for p in shared.take_predictions():
-            known = tuple(w for w in p.workers if w in workers)
-            if not known:
-                continue
-            if not self._v2:
-                self._remember([ContentHash(h) for h in p.hashes], known, now)
-                continue
-            # v2: a bridged prediction of the peer's request, for as long as its prefill
-            # can take on that engine's clock (this router never hears its first token)
-            c = self._config
-            hashes = [int(h) for h in p.hashes]
-            for name in known:
-                eng = self._engine(name)
-                eng.touch(hashes)
-                if workers[name].events and c.predict_on_route_ttl_s > 0:
-                    wait = eng.queue_s(now) + eng.fit.predict(len(hashes) * self._approx.block_size)
-                    deadline = now + min(2 * wait + c.prediction_grace_s, c.predict_on_route_ttl_s)
-                    eng.predict(f"peer-{next(self._peer_ids)}", hashes, deadline)
+        cost = self._cost
+        for event in shared.take_predictions():
+            at = now if event.at is None else min(event.at, now)
+            if isinstance(event, PeerPrediction):
+                known = tuple(w for w in event.workers if w in workers)
+                if known:
+                    site = event.workers[0] if event.workers[0] in workers else None
+                    cost.peer_routed(event.hashes, known, lambda n: workers[n].events, at,
+                                     request=event.request, site=site, uncached=event.uncached)
+            elif isinstance(event, PeerEnded):
+                cost.peer_ended(event.request)
+            else:
+                cost.peer_prefill_done(event.request, at)
 
     def _drop(self, entry: _InFlight) -> None:
-        if self._engines:
-            for part in entry.parts:
-                eng = self._engines.get(part.worker)
-                if eng is not None:
-                    eng.release(entry.request_id)
+        self._cost.release(entry.request_id, [p.worker for p in entry.parts])
+        if self._peer_predictions is not None:
+            self._peer_predictions.ended(entry.request_id)
         if self._peer_load is not None and entry.parts:
             self._peer_load.changed()
         for part in entry.parts:

@@ -4,27 +4,14 @@ Everything here is pure: no I/O, no clock reads (callers pass ``now_s``), no
 global random state (callers pass a :class:`random.Random`). :class:`Router`
 (``router.py``) wires these pieces to the index and to its in-flight table.
 
-The cost of sending a request of ``n`` prompt tokens to worker ``w`` is an
-estimate of the time-to-first-token, in *token units* (one unit = the time to
-prefill one token)::
+The cost itself -- an estimated time to first token per candidate -- is the
+cost model's (``router/cost.py``); this module holds the pieces it and the
+router share: the policies, the load a worker carries (:class:`WorkerLoad`),
+the cost weights, the tier credit of a cached prefix
+(:func:`credited_tokens`), the tie rules and softmax sampling, and the
+approximate prefix store of workers that publish no events.
 
-    credit(w)   = bs(w) * (gpu(w) + cpu_hit_credit * cpu(w) + storage_hit_credit * storage(w))
-    uncached(w) = max(n - credit(w), 0)
-    cost(w)     = prefill_weight  * uncached(w)               # this request's own prefill
-                + queue_weight    * pending_prefill_tokens(w) # prefill work queued ahead of it
-                + decode_weight   * active_tokens(w)          # KV held by in-flight requests
-                + request_weight  * active_requests(w)        # per-request overhead
-
-``gpu/cpu/storage(w)`` are the leading blocks of the prompt that ``w`` holds,
-attributed to their best tier, and ``bs(w)`` is its block size. The first two
-terms are "queue + own prefill", the estimate a study of the Mooncake traces
-found best on both of them (docs/routing.md); without the
-queue term every request of the conversation trace (they all share block 0)
-lands on one worker. The default ``prefill_weight`` is 2.5: the simulator's runs
-on both traces showed that valuing a cached token above a queued one keeps a
-document's requests together and reaches the oracle's hit ratio.
-
-Complexity: cost evaluation is O(workers) per request; the approximate store
+Complexity: the approximate store
 costs O(blocks of the prompt) to record and O(workers * log(blocks)) to match.
 """
 
@@ -52,8 +39,6 @@ __all__ = [
     "lowest_tied",
     "pick_lowest",
     "sample_softmax",
-    "ttft_cost",
-    "worker_cost",
 ]
 
 class Policy(str, enum.Enum):
@@ -113,12 +98,18 @@ class WorkerLoad:
     ``pending_prefill_tokens``: prompt tokens routed to the worker whose prefill
     has not finished (uncached part only). ``active_tokens``: context tokens of
     requests in flight there (their KV occupancy while decoding).
-    ``active_requests``: requests in flight there.
+    ``active_requests``: requests in flight there. The engine terms, when a
+    load provider knows them (decision replay: what a decision log
+    recorded), replace the cost model's own: ``queue_s`` its queue clock,
+    ``prefill_tokens_per_s``/``prefill_overhead_s`` its fitted speed.
     """
 
     active_requests: int = 0
     pending_prefill_tokens: int = 0
     active_tokens: int = 0
+    queue_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+    prefill_overhead_s: float | None = None
 
     def to_dict(self) -> dict[str, int]:
         """JSON-ready form (for ``GET /workers`` and logs)."""
@@ -131,7 +122,7 @@ class WorkerLoad:
 
 @dataclass(frozen=True, slots=True)
 class CostWeights:
-    """The weights of :func:`worker_cost` (see the module docstring).
+    """The weights of the cost (``router/cost.py``).
 
     No defaults here: the shipped values live on ``RouterConfig`` only, and
     ``RouterConfig.weights()`` builds this struct from them.
@@ -165,48 +156,6 @@ def credited_tokens(
     blocks = gpu + max(other, 0) + weights.cpu_hit_credit * cpu
     blocks += weights.storage_hit_credit * storage
     return blocks * block_size
-
-
-def worker_cost(
-    num_tokens: int, credit_tokens: float, load: LoadLike, weights: CostWeights
-) -> float:
-    """Estimated TTFT of a request on a worker, in token units (lower is better)."""
-    uncached = max(num_tokens - credit_tokens, 0.0)
-    return (
-        weights.prefill_weight * uncached
-        + weights.queue_weight * load.pending_prefill_tokens
-        + weights.decode_weight * load.active_tokens
-        + weights.request_weight * load.active_requests
-    )
-
-
-def ttft_cost(
-    num_tokens: int,
-    credit_tokens: float,
-    queue_s: float,
-    load: LoadLike,
-    rate: float,
-    overhead_s: float,
-    weights: CostWeights,
-) -> float:
-    """Cost model v2: estimated TTFT of a request on a worker, in seconds (lower is better).
-
-    ``queue_s``: the worker's prefill queue clock (``EngineBelief.queue_s``: the
-    running prefill's remainder plus the queued ones, each with its overhead);
-    ``rate``/``overhead_s``: the worker's fitted prefill speed. The load's
-    ``pending_prefill_tokens`` are not used: the clock replaces them.
-    """
-    uncached = max(num_tokens - credit_tokens, 0.0)
-    return (
-        weights.queue_weight * queue_s
-        + overhead_s
-        + (
-            weights.prefill_weight * uncached
-            + weights.decode_weight * load.active_tokens
-            + weights.request_weight * load.active_requests
-        )
-        / rate
-    )
 
 
 def pick_lowest(

@@ -43,6 +43,9 @@ TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 #: a LoRA adapter by id (``int >= 0``, what SGLang/TokenSpeed publish) or by name
 #: (a non-empty string: vLLM publishes ``lora_name``); the index matches either
 LoraId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)] | Annotated[str, Meta(min_length=1, max_length=4096)]
+#: a caller's request id: a non-empty string or an integer (its length limit is configurable:
+#: :func:`request_id_text`)
+RequestId = Annotated[str, Meta(min_length=1)] | int
 
 
 @contextmanager
@@ -72,14 +75,14 @@ class RouteRequest(MatchRequest, frozen=True, kw_only=True):
     ``explain`` field (DESIGN §13); it must be a JSON boolean.
     """
 
-    request_id: str | int | None = None
+    request_id: RequestId | None = None
     explain: bool = False
 
 
 class ReleaseRequest(msgspec.Struct, frozen=True, kw_only=True):
     """``POST /release`` body."""
 
-    request_id: str | int
+    request_id: RequestId
 
 
 # --- ZeroMQ: one msgpack map per request, tagged by "op" ------------------------
@@ -99,12 +102,12 @@ class ZmqMatch(_ZmqBase, frozen=True, kw_only=True, tag="match"):
 
 
 class ZmqRoute(ZmqMatch, frozen=True, kw_only=True, tag="route"):
-    request_id: str | int | None = None
+    request_id: RequestId | None = None
     explain: bool = False
 
 
 class ZmqRelease(_ZmqBase, frozen=True, kw_only=True, tag="release"):
-    request_id: str | int
+    request_id: RequestId
 
 
 class ZmqWorkers(_ZmqBase, frozen=True, kw_only=True, tag="workers"):
@@ -130,7 +133,7 @@ class ZmqMatchRaw(_ZmqBase, frozen=True, kw_only=True, tag="match"):
 
 
 class ZmqRouteRaw(ZmqMatchRaw, frozen=True, kw_only=True, tag="route"):
-    request_id: str | int | None = None
+    request_id: RequestId | None = None
     explain: bool = False
 
 

@@ -1,8 +1,10 @@
 """``RouterService``: one process, one index, one writer.
 
-The service is the façade the listeners and tools construct; its parts each
-have one job: ``server/workers.py`` (``WorkerRegistry``: who is configured,
-roles, the gateway's marks, membership rules), ``server/worker_report.py``
+The service is the process around one routing core: lifecycle, transports,
+metrics, the decision log. Its parts each have one job: ``router/core.py``
+(``RoutingCore``: index, ingestor, router, roles, cold/trust/reachability),
+``server/workers.py`` (``WorkerRegistry``: who is configured, the membership
+rules), ``server/worker_report.py``
 (what ``/workers`` and ``/metrics`` say per worker), ``server/ingest_loop.py``
 (the subscriber thread). It raises domain errors (``tokenspeed_router.errors``);
 ``server/api.py:api_error`` is the one place they become HTTP statuses.
@@ -14,16 +16,16 @@ Threads and who touches what::
     HTTP event loop     queries (match/route/release/workers) and PUT/DELETE /workers
     tokenspeed-zmq-api  the same queries over a ROUTER socket
 
-Two locks, always taken in this order: ``RouterService._ingest_lock`` (one
-writer into the ingestor and the index at a time) and ``RouterService._lock``
-(the router's state: workers, roles, cold flags, requests in flight). An
-item is applied holding only the ingest lock: the index (either core) locks
-each event and each query on its own, so ``/match`` and ``/route`` never wait
-behind a whole batch (they may see a batch half applied, never a block half
-stored); worker state changes take ``_lock`` for the moment they touch the
-router. Queries hold ``_lock`` for a routing decision (microseconds);
-``/match`` takes no lock of ours at all. The replay round trips of a subscriber happen on the
-ingestion thread without either lock.
+Routing state lives in one :class:`~tokenspeed_router.router.core.RoutingCore`
+(the index, its ingestor and the router, wired once; ``simulate``, ``replay``
+and the state backend run the same class). The core owns the two locks and
+their order (the ingest lock, one writer into the ingestor and the index;
+the router lock, the router's state): an item is applied holding only the
+ingest lock, the index locks each event and each query itself, so ``/match``
+and ``/route`` never wait behind a whole batch. The service adds a small
+lock of its own for its query counters and explain sampling, taken before
+the core's when both are held. The replay round trips of a subscriber
+happen on the ingestion thread without any lock.
 
 The ingestion seam (for the Redis state backend and anything else that wants
 to sit between the wire and the index)::
@@ -69,6 +71,7 @@ from tokenspeed_router.errors import (
 from tokenspeed_router.events.log import EventLogWriter
 from tokenspeed_router.events.schema import KVEventBatch
 from tokenspeed_router.events.subscriber import BatchReceived, SubscriberItem
+from tokenspeed_router.router.core import RoutingCore
 from tokenspeed_router.router.decision import RouteDecision
 from tokenspeed_router.router.index import KvIndex, MatchDetail
 from tokenspeed_router.router.ingest import IndexIngestor, WorkerState
@@ -188,15 +191,13 @@ class RouterService:
         record_source: str = "tokenspeed-router serve",
     ) -> None:
         self.config = config
-        self._index = KvIndex()
-        self._router = Router(self._index, config.router)
-        self._ingestor = IndexIngestor(self._index, on_state_change=self._on_state_change,
-                                       on_applied=self._on_applied, on_cleared=self._on_cleared)
-        self._ingest_lock = threading.RLock()
-        self._lock = threading.RLock()  # re-entered by _on_state_change under the writers below
+        self._workers = WorkerRegistry()  # configured workers and streams
+        #: the index, its ingestor and the router, wired once (router/core.py)
+        self._core = RoutingCore(config.router, role_of=self._workers.role_of_stream)
+        self._lock = threading.Lock()  # this process's query counters and explain sampling
         self.metrics = ServiceMetrics(self._lock)
         self.metrics.add_collector(WorkerStateCollector(self._worker_samples))
-        self.metrics.add_collector(IndexCoreCollector(lambda: self._index.implementation))
+        self.metrics.add_collector(IndexCoreCollector(lambda: self._core.index.implementation))
         self.metrics.add_collector(
             IngestQueueCollector(lambda: self._loop.queue_stats() if self._loop is not None else {})
         )
@@ -208,14 +209,12 @@ class RouterService:
         self._sink: IngestSink | None = None
         self.recorder: RecordingSink | None = None
         self._loop: IngestLoop | None = None
-        self._workers = WorkerRegistry()  # mutated under self._lock
         self._serving = False
         self._stopped = False
         self._ingesting = False
         #: notified when the ingestion loop starts and when the service stops
         self._loop_changed = threading.Condition()
         self._state_health: Callable[[], dict[str, Any]] | None = None
-        self._peer_load: PeerLoad | None = None
         #: the ``source`` written in the header of a ``--record`` log
         self.record_source = record_source
         # why this worker (server/explain.py): None when --explain-sample is 0, so the
@@ -281,7 +280,8 @@ class RouterService:
         self._loop.start(subs if self._ingesting else [])
         self._serving = True
         self._notify_loop_changed()
-        logger.info("router service started with %d stream(s), index core %s", len(subs), self._index.implementation)
+        logger.info("router service started with %d stream(s), index core %s", len(subs),
+                    self._core.index.implementation)
 
     def _abort_start(self) -> None:
         """Undo a partial :meth:`start` (best effort, never raises)."""
@@ -415,19 +415,24 @@ class RouterService:
             self._loop_changed.notify_all()
 
     @property
+    def core(self) -> RoutingCore:
+        """The routing core this process runs (index, ingestor, router)."""
+        return self._core
+
+    @property
     def index(self) -> KvIndex:
         """The block index (replaced whole by a warm start: read it under :meth:`locked`)."""
-        return self._index
+        return self._core.index
 
     @property
     def ingestor(self) -> IndexIngestor:
         """Per-worker ingestion state over :attr:`index`."""
-        return self._ingestor
+        return self._core.ingestor
 
     @property
     def router(self) -> Router:
         """The routing decisions over :attr:`index`."""
-        return self._router
+        return self._core.router
 
     def _require_loop(self) -> IngestLoop:
         if self._loop is None or not self._loop.running:
@@ -442,35 +447,16 @@ class RouterService:
 
     def apply_item(self, item: SubscriberItem) -> None:
         """Apply one subscriber item (any thread; items of a worker in order)."""
-        with self._ingest_lock:
-            with self._lock:
-                self._ensure_worker(item.worker)
-                if isinstance(item, BatchReceived) and item.replayed:
-                    replayed = self._workers.replayed
-                    replayed[item.worker] = replayed.get(item.worker, 0) + 1
-            self._ingestor.on_item(item)  # the index locks per event: queries run meanwhile
-            if isinstance(item, BatchReceived) and item.batch_ts > 0:
-                # publisher's timestamp -> visible to queries (same host clock assumed)
-                self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch_ts))
+        self._core.apply_item(item)
+        if isinstance(item, BatchReceived) and item.batch_ts > 0:
+            # publisher's timestamp -> visible to queries (same host clock assumed)
+            self.metrics.queries.visible_delay.observe(max(0.0, self._wall_clock() - item.batch_ts))
 
     def apply_record(
         self, worker: str, seq: int, batch: KVEventBatch, recv_time_s: float, *, payload: bytes | None = None
     ) -> None:
         """Apply one recorded batch (log replay, shared-stream followers)."""
-        with self._ingest_lock:
-            with self._lock:
-                self._ensure_worker(worker)
-            self._ingestor.on_record(worker, seq, batch, recv_time_s, payload=payload)
-
-    def _ensure_worker(self, name: str) -> None:
-        # under the lock
-        if name not in self._workers.roles:
-            role = self._workers.role_of_stream(name)
-            self._router.add_worker(name, role)
-            self._ingestor.add_worker(name)
-            self._workers.roles[name] = role
-            if self._ingestor.is_cold(name):
-                self._router.set_cold(name, True)
+        self._core.apply_record(worker, seq, batch, recv_time_s, payload=payload)
 
     def ensure_worker_locked(self, name: str) -> None:
         """Make ``name`` routable with its current ingestion state (caller holds :meth:`locked`).
@@ -478,24 +464,7 @@ class RouterService:
         For state backends that fold items into :attr:`ingestor` directly
         (snapshot restore): the router learns the worker and its cold flag.
         """
-        self._ensure_worker(name)
-        if name not in self._workers.unreachable:
-            self._router.set_cold(name, self._workers.cold(name, self._ingestor.is_cold(name)))
-
-    def _on_state_change(self, worker: str, state: WorkerState) -> None:
-        # called by the ingestor, under the ingest lock
-        with self._lock:
-            if self._workers.routable(worker):
-                self._router.set_cold(worker, self._workers.cold(worker, state is not WorkerState.LIVE))
-
-    def _on_applied(self, worker: str, stats: object) -> None:
-        # called by the ingestor, under the ingest lock: cost model v2 reads stores and removals
-        with self._lock:
-            self._router.on_index_applied(worker, stats)
-
-    def _on_cleared(self, worker: str) -> None:
-        with self._lock:
-            self._router.on_index_cleared(worker)
+        self._core.ensure_worker(name)
 
     def set_distrusted(self, name: str, distrusted: bool) -> None:
         """Route ``name`` on load only (its prefix score ignored) while ``distrusted``.
@@ -503,18 +472,11 @@ class RouterService:
         The gateway's truth loop calls this for a worker whose engine keeps
         reporting cached tokens that disagree with the index (DESIGN §10).
         """
-        with self._lock:
-            if distrusted:
-                self._workers.distrusted.add(name)
-            else:
-                self._workers.distrusted.discard(name)
-            if self._workers.routable(name):
-                self._router.set_cold(name, self._workers.cold(name, self._ingestor.is_cold(name)))
+        self._core.set_distrusted(name, distrusted)
 
     def set_trust(self, name: str, trust: float) -> None:
         """Scale the credit of ``name``'s prefix by ``trust`` in [0, 1] (the gateway's truth loop)."""
-        with self._lock:
-            self._router.set_trust(name, trust)
+        self._core.set_trust(name, trust)
 
     def set_reachable(self, name: str, reachable: bool) -> None:
         """Take ``name`` out of routing (its engine refuses connections) or put it back.
@@ -522,23 +484,15 @@ class RouterService:
         Its index entries stay: they are still what the engine holds. Its
         in-flight load is forgotten while it is out.
         """
-        workers = self._workers
-        with self._lock:
-            if name not in workers.roles:
-                return
-            if reachable:
-                if name in workers.unreachable:
-                    workers.unreachable.discard(name)
-                    self._router.add_worker(name, workers.roles[name])
-                    self._router.set_cold(name, workers.cold(name, self._ingestor.is_cold(name)))
-            elif name not in workers.unreachable:
-                workers.unreachable.add(name)
-                self._router.remove_worker(name)
+        self._core.set_reachable(name, reachable)
+
+    def is_cold(self, name: str) -> bool:
+        """Whether ``name`` is routed on load alone (entries resyncing or stale, or distrusted)."""
+        return self._core.is_cold(name)
 
     def mark_prefill_done(self, request_id: str) -> bool:
         """The request's first token arrived: its prefill no longer counts as queued load."""
-        with self._lock:
-            return self._router.mark_prefill_done(request_id)
+        return self._core.mark_prefill_done(request_id)
 
     def worker_specs(self) -> dict[str, WorkerSpec]:
         """The configured workers (``--worker`` and ``PUT /workers``) by name."""
@@ -549,45 +503,30 @@ class RouterService:
         return dict(self._workers.streams)
 
     def _mark_stale(self, name: str) -> None:
-        with self._ingest_lock, self._lock:
-            self._ensure_worker(name)
-            self._ingestor.mark_stale(name)
+        self._core.mark_stale(name)
 
     def preset_roles(self, roles: Mapping[str, WorkerRole | str]) -> None:
         """Declare roles of workers known only from a log (``replay`` reads them from its header)."""
-        with self._ingest_lock, self._lock:
-            for name, role in roles.items():
-                if name not in self._workers.roles:
-                    self._router.add_worker(name, role)
-                    self._ingestor.add_worker(name)
-                    self._workers.roles[name] = WorkerRole(role)
+        self._core.preset_roles(roles)
 
     def replace_index(self, index: KvIndex) -> None:
-        """Adopt a restored index (warm start from a snapshot), under both locks.
+        """Adopt a restored index (warm start from a snapshot): the core swaps its parts.
 
-        The ingestor and the router are rebuilt around it (in-flight requests
-        are forgotten: a warm start happens before serving), and every known
-        worker keeps its role; its ingestion state starts ``live``.
+        Requests in flight are forgotten (a warm start happens before
+        serving); every known worker keeps its role; its ingestion state
+        starts ``live``.
         """
-        with self._ingest_lock, self._lock:
-            ingestor = IndexIngestor(index, on_state_change=self._on_state_change,
-                                     on_applied=self._on_applied, on_cleared=self._on_cleared)
-            router = Router(index, self._router.config, peer_load=self._peer_load)
-            for name, role in self._workers.roles.items():
-                if name not in self._workers.unreachable:
-                    router.add_worker(name, role)
-                ingestor.add_worker(name)
-            self._index, self._ingestor, self._router = index, ingestor, router
+        self._core.replace_index(index)
 
     def _register(self, subs: Iterable[SubscriberSpec]) -> None:
-        with self._ingest_lock, self._lock:
+        core = self._core
+        with core.locked():
             for sub in subs:
                 self._workers.streams[sub.name] = sub
-                self._ensure_worker(sub.name)
-                if self._workers.roles[sub.name] != sub.role:  # first seen in a stream, before its spec
-                    self._router.add_worker(sub.name, sub.role)
-                    self._workers.roles[sub.name] = sub.role
-            self.metrics.workers.set(len(self._workers.streams))
+                core.ensure_worker(sub.name)
+                if core.roles[sub.name] != sub.role:  # first seen in a stream, before its spec
+                    core.add_worker(sub.name, sub.role)
+        self.metrics.workers.set(len(self._workers.streams))
 
     # --- queries ---------------------------------------------------------------------
 
@@ -600,7 +539,7 @@ class RouterService:
         t0 = time.perf_counter()
         # The index locks each query and each event itself: a match never
         # waits behind a whole batch, and takes no lock of ours.
-        detail = self._index.match_detail(token_ids, lora_id=lora_id, salt=salt)
+        detail = self._core.match(token_ids, lora_id=lora_id, salt=salt)
         self.metrics.queries.match_latency.observe(time.perf_counter() - t0)
         return detail
 
@@ -629,7 +568,7 @@ class RouterService:
             sampled = False
             if not explain and self._sampler is not None:
                 explain = sampled = self._sampler.take()
-            d = self._router.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt, explain=explain)
+            d = self._core.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt, explain=explain)
             q = self.metrics.queries
             q.route_latency.observe(time.perf_counter() - t0)
             q.observe_route(d.worker, d.matched_tokens, len(token_ids))
@@ -650,8 +589,8 @@ class RouterService:
 
     def release(self, request_id: str) -> bool:
         """``POST /release``: True when the request was in flight (unknown ids are not errors)."""
+        found = self._core.release(request_id)
         with self._lock:
-            found = self._router.release(request_id)
             self.metrics.queries.releases["released" if found else "unknown"] += 1
         return found
 
@@ -661,14 +600,11 @@ class RouterService:
         The Redis state backend calls it once its ``SharedLoad`` runs; it
         survives :meth:`replace_index`.
         """
-        with self._lock:
-            self._peer_load = peer_load
-            self._router.set_peer_load(peer_load)
+        self._core.set_peer_load(peer_load)
 
     def local_load(self) -> dict[str, WorkerLoad]:
         """This process's own in-flight load per worker (any thread; takes the lock)."""
-        with self._lock:
-            return self._router.load()
+        return self._core.load()
 
     def workers(self) -> dict[str, Any]:
         """``GET /workers``: ``{name: info}`` per stream (see :func:`worker_entries`)."""
@@ -676,15 +612,18 @@ class RouterService:
         connected = self._loop.connected() if self._loop is not None else {}
         stats = self._loop.statistics() if self._loop is not None else {}
         lag = self._loop.lag() if self._loop is not None else {}
-        with self._lock:
-            peers = self._peer_load.peers() if self._peer_load is not None else {}
+        problems = self._loop.stream_problems() if self._loop is not None else {}
+        core = self._core
+        peer_load = core.router.peer_load
+        with core.locked():
+            peers = peer_load.peers() if peer_load is not None else {}
             out = worker_entries(
-                self._workers, self._index, self._ingestor.statuses(), self._router.load(), stats, connected, now,
-                peers=peers, ingest_lag=lag,
+                self._workers, core, stats, connected, now, peers=peers, ingest_lag=lag,
+                stream_problems=problems,
             )
-        if self._peer_load is not None:
+        if peer_load is not None:
             # other replicas' in-flight work: "shared", or "degraded" (Redis down: local view only)
-            sharing = "degraded" if getattr(self._peer_load, "degraded", False) else "shared"
+            sharing = "degraded" if getattr(peer_load, "degraded", False) else "shared"
             for entry in out.values():
                 entry["in_flight_sharing"] = sharing
         return out
@@ -694,16 +633,17 @@ class RouterService:
 
         ``status`` is ``ok``; ``unavailable`` when every configured stream is
         stale (no event stream reaches us: the index cannot be trusted) or the
-        state backend reports itself disconnected; ``stopping`` during
-        shutdown. ``problems`` says why. HTTP answers 503 for anything but
+        state backend reports itself disconnected; ``degraded`` (still
+        serving) when the state backend shares no in-flight work, or a stream
+        connects but delivers nothing for a named cause (``stream_problems``:
+        a failed handshake, a foreign topic); ``stopping`` during shutdown. ``problems`` says why. HTTP answers 503 for anything but
         ``ok``/``degraded`` (see ``server/http.py``).
         """
         state = self._state_health() if self._state_health is not None else None
         lag = self._loop.lag() if self._loop is not None else {}
         problems: list[str] = []
         if self._workers.streams:
-            with self._lock:
-                states = [st.state for st in self._ingestor.statuses().values()]
+            states = [st.state for st in self._core.statuses().values()]
             if states and all(s is WorkerState.STALE for s in states):
                 problems.append(f"every worker is stale ({len(states)} stream(s) unreachable)")
         if state is not None and state.get("connected") is False:
@@ -713,16 +653,22 @@ class RouterService:
             status = "unavailable"
         if status == "ok" and state is not None and state.get("sharing") == "degraded":
             status = "degraded"  # serving on this replica's view of in-flight work only
+        # streams that connect but deliver nothing, with the cause (a failed handshake, a foreign topic)
+        stream_problems = self._loop.stream_problems() if self._loop is not None else {}
+        problems.extend(f"worker {name}: {cause}" for name, cause in sorted(stream_problems.items()))
+        if stream_problems and status == "ok":
+            status = "degraded"
         return {
             "status": status,
             "problems": problems,
             "uptime_s": round(time.monotonic() - self._started_s, 3),
-            "workers": len(self._workers.roles),
-            "index_core": self._index.implementation,  # native, or reference (pure Python: slow)
+            "workers": len(self._core.roles),
+            "index_core": self._core.index.implementation,  # native, or reference (pure Python: slow)
             "ingesting": self._loop is not None and self._loop.running,  # the loop runs
             "subscribed": self._ingesting,  # False while a replicated backend leads elsewhere
             # streams whose events reach the index late (informational: still served, see /workers)
             "lagging": sorted(n for n, st in lag.items() if st.lagging),
+            "stream_problems": dict(sorted(stream_problems.items())),
             **({"state": state} if state is not None else {}),
         }
 
@@ -744,7 +690,7 @@ class RouterService:
             raise ServiceNotIngestingError("the service is not ingesting (no run-time workers here)")
         if self._workers.specs.get(spec.name) == spec:
             return False, [s.name for s in spec.subscribers()]
-        old = self._workers.check_put(spec)
+        old = self._workers.check_put(spec, self._core.roles)
         new_subs = list(spec.subscribers())
         if old is not None:
             self._delete_worker(spec.name, timeout_s)
@@ -765,16 +711,14 @@ class RouterService:
             return self._delete_worker(name, timeout_s)
 
     def _delete_worker(self, name: str, timeout_s: float) -> list[str]:
-        names = self._workers.streams_of(name)
+        names = self._workers.streams_of(name, self._core.roles)
         if self._loop is not None and self._loop.running:
             loop = self._loop
             loop.call(lambda: [loop.close_stream(n) for n in names], timeout_s)
-        with self._ingest_lock, self._lock:
-            for n in names:
-                self._router.remove_worker(n)
-                self._ingestor.remove_worker(n)
-            self._workers.forget(names)
-            self.metrics.workers.set(len(self._workers.streams))
+        for n in names:
+            self._core.remove_worker(n)
+        self._workers.forget(names)
+        self.metrics.workers.set(len(self._workers.streams))
         self._workers.specs.pop(name, None)
         logger.info("worker %s removed at run time", name)
         return names
@@ -788,21 +732,25 @@ class RouterService:
         now = self._wall_clock()
         stats = self._loop.statistics() if self._loop is not None else {}
         lag = self._loop.lag() if self._loop is not None else {}
-        with self._lock:
-            samples = worker_samples(self._workers, self._index, self._ingestor.statuses(), stats, now,
-                                     self._router.load(), lag)
+        with self._core.locked():
+            samples = worker_samples(self._core, stats, now, lag)
         return iter(samples)
 
     @contextmanager
     def locked(self) -> Iterator[None]:
-        """Hold both locks: nothing is applied meanwhile (tools that read or replace the index)."""
-        with self._ingest_lock, self._lock:
+        """Hold the core's locks: nothing is applied or routed meanwhile (tools that read or replace the index)."""
+        with self._core.locked():
             yield
 
 
 if TYPE_CHECKING:
+    from tokenspeed_router.gateway.host import GatewayHost
     from tokenspeed_router.state.service import ServiceHost
 
     def _fits_state_backend(service: RouterService) -> ServiceHost:
         """mypy checks here that the service is what ``serve --state`` needs."""
+        return service
+
+    def _fits_gateway(service: RouterService) -> GatewayHost:
+        """mypy checks here that the service is what the gateway needs (gateway/host.py)."""
         return service

@@ -1,11 +1,14 @@
 """Read a decision log back and ask what another policy would have decided (``replay``/``simulate --decisions``).
 
-Each logged decision (``server/decision_log.py``) is decided again by a real
-:class:`~tokenspeed_router.router.Router` under the policy and weights asked
-for (by default the logged ones), *in the state the live router saw*: the
-same candidates, each with the load the log recorded for it (queued prefill,
-context tokens, requests in flight, other replicas' included), the same cold
-flags. Only the prefix knowledge has two sources:
+Each logged decision (``server/decision_log.py``) is decided again by the
+routing core (``router/core.py``) under the policy and weights asked for (by
+default the logged ones), with the cost model the router runs, *in the state
+the live router saw*: the same candidates, each with the terms the log
+recorded for it (the engine's queue clock, its fitted prefill speed, context
+tokens and requests in flight, other replicas' included), the same cold
+flags. Logs written before the engine terms were recorded give only the
+queued prefill tokens; they are priced at the re-deciding router's prior
+speed. Only the prefix knowledge has two sources:
 
 * ``replay EVENTLOG --decisions FILE``: the index rebuilt from the event log
   as of each decision's time (events received strictly before it; the
@@ -46,7 +49,8 @@ import msgspec
 from tokenspeed_router.errors import ConfigError, TokenspeedError, WireError
 from tokenspeed_router.events.codec import BatchDecoder
 from tokenspeed_router.events.records import LogRecord
-from tokenspeed_router.router.router import Router, RouterConfig, WorkerRole
+from tokenspeed_router.router.core import RoutingCore
+from tokenspeed_router.router.router import RouterConfig, WorkerRole
 from tokenspeed_router.router.scoring import PrefixIndex, WorkerLoad
 from tokenspeed_router.server.decision_log import LoggedDecision
 
@@ -79,9 +83,6 @@ def redecide_config(
         knobs["policy"] = first.policy
     if logged_view:
         knobs["predict_on_route_ttl_s"] = 0.0
-    # The log holds the terms of cost model v1 (credits, weights, loads), not v2's
-    # per-engine queue clocks and fits: re-decide with v1 unless told otherwise.
-    knobs["cost_model"] = "v1"
     knobs.update(options)
     if policy is not None:
         knobs["policy"] = policy
@@ -154,6 +155,53 @@ class _LoggedIndex:
         return self.view
 
 
+class _ReplayView:
+    """The rebuilt index's answer, with the decision's logged predictions on top (``replay``).
+
+    The live router also credited prompts routed before their engine's
+    ``BlockStored`` (predictions, bridged until the store); the event log
+    cannot show those yet, so a re-decision would see less than the live
+    router did. Each candidate whose logged credit came from a prediction is
+    credited what the log says (in the index's block size), when deeper than
+    the index.
+    """
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self._index = index
+        self.predicted: dict[str, int] = {}  # worker -> predicted prefix tokens (this decision)
+
+    def match_detail(self, token_ids: Any, lora_id: int | str | None = None, salt: Any = None) -> Any:
+        detail = self._index.match_detail(token_ids, lora_id, salt)
+        if not self.predicted:
+            return detail
+        view = _LoggedView(())
+        view.scores = dict(detail.scores)
+        view.tiers = {w: dict(t) for w, t in detail.tiers.items()}
+        view.block_size = dict(detail.block_size)
+        for worker, tokens in self.predicted.items():
+            bs = view.block_size.get(worker, 0)
+            blocks = tokens // bs if bs else 0
+            have = view.scores.get(worker, 0)
+            if blocks > have:
+                view.scores[worker] = blocks
+                tiers = view.tiers.setdefault(worker, {"gpu": 0})
+                tiers["gpu"] = tiers.get("gpu", 0) + blocks - have
+        return view
+
+    def show(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        self.predicted = {
+            c["worker"]: int(c.get("matched_tokens") or 0)
+            for c in rows if c.get("credit_source") == "predicted" and not c.get("cold")
+        }
+
+
+def _float_or_none(value: Any) -> float | None:
+    """A logged engine term (None when the log predates it or holds something else)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    return None
+
+
 def _role(pools: set[str]) -> WorkerRole:
     if "all" in pools or {"decode", "prefill"} <= pools:
         return WorkerRole.BOTH
@@ -161,7 +209,7 @@ def _role(pools: set[str]) -> WorkerRole:
 
 
 class Redecider:
-    """A real :class:`Router` deciding logged decisions again (see the module docstring).
+    """The routing core deciding logged decisions again (see the module docstring).
 
     ``index``: the rebuilt event index (``replay``), or None to use the
     logged credits (``simulate``).
@@ -170,14 +218,16 @@ class Redecider:
     def __init__(self, config: RouterConfig, index: PrefixIndex | None = None) -> None:
         self._logged = _LoggedIndex() if index is None else None
         self._index = index
+        self._replay_view = _ReplayView(index) if index is not None else None
         self._loads: dict[str, WorkerLoad] = {}
         self._now = 0.0
         self._members: dict[str, tuple[WorkerRole, bool, bool]] = {}
         self.config = config
-        self.router = Router(
-            index if index is not None else self._logged, config,
-            clock=lambda: self._now, load_provider=self._loads.get,
+        self.core = RoutingCore(
+            config, clock=lambda: self._now, load_provider=self._loads.get,
+            match_view=self._replay_view if self._replay_view is not None else self._logged,
         )
+        self.router = self.core.router
         self._serial = 0
 
     @property
@@ -192,13 +242,15 @@ class Redecider:
         self._membership(d)
         if self._logged is not None:
             self._logged.view = _LoggedView(d.candidates)
+        if self._replay_view is not None:
+            self._replay_view.show(d.candidates)
         tokens = d.token_ids if d.token_ids else [0] * d.num_tokens
         self._serial += 1
         rid = f"redecide-{self._serial}"
         try:
-            again = self.router.route(tokens, request_id=rid, lora_id=d.lora_id, salt=d.salt, explain=True)
+            again = self.core.route(tokens, request_id=rid, lora_id=d.lora_id, salt=d.salt, explain=True)
         finally:
-            self.router.release(rid)
+            self.core.release(rid)
         explanation = again.explanation
         assert explanation is not None
         pool = "prefill" if again.prefill_worker is not None else None
@@ -208,7 +260,8 @@ class Redecider:
         agrees: bool | None = None
         if self._index is not None:
             view = again.index_match
-            if view is None:  # a policy that reads no index: look once more, for the audit only
+            if view is None or (self._replay_view is not None and self._replay_view.predicted):
+                # no index read (a baseline policy), or logged predictions on top: the index alone, for the audit
                 view = self._index.match_detail(tokens, d.lora_id, d.salt)
             replayed = view.scores.get(d.worker, 0) * view.block_size.get(d.worker, 0)
             if logged.get("credit_source") in ("index", None) and not logged.get("cold"):
@@ -221,7 +274,7 @@ class Redecider:
         )
 
     def _membership(self, d: LoggedDecision) -> None:
-        router = self.router
+        core = self.core
         pools: dict[str, set[str]] = {}
         loads: dict[str, WorkerLoad] = {}
         cold: dict[str, bool] = {}
@@ -234,18 +287,21 @@ class Redecider:
                     active_requests=int(c.get("active_requests") or 0),
                     pending_prefill_tokens=int(c.get("queue_tokens") or 0),
                     active_tokens=int(c.get("active_tokens") or 0),
+                    queue_s=_float_or_none(c.get("queue_s")),
+                    prefill_tokens_per_s=_float_or_none(c.get("prefill_tokens_per_s")),
+                    prefill_overhead_s=_float_or_none(c.get("prefill_overhead_s")),
                 )
                 cold[name] = bool(c.get("cold"))
                 # in a replay a worker without events (approx credits) is remembered, not indexed
                 events[name] = self._logged is not None or c.get("credit_source") != "approx"
-        for name in [n for n in router.workers() if n not in pools]:
-            router.remove_worker(name)
+        for name in [n for n in core.router.workers() if n not in pools]:
+            core.router.remove_worker(name)  # routing only: a replay's index keeps its entries
             self._members.pop(name, None)
         for name, in_pools in pools.items():
             member = (_role(in_pools), events[name], cold[name])
             if self._members.get(name) != member:
-                router.add_worker(name, member[0], events=member[1])
-                router.set_cold(name, member[2])
+                core.add_worker(name, member[0], events=member[1])
+                core.set_distrusted(name, member[2])  # routed on load alone, as the live router did
                 self._members[name] = member
         self._loads.clear()
         self._loads.update(loads)

@@ -14,7 +14,10 @@ Decisions worth knowing:
   ``tokenspeed_route_releases_total{outcome="unknown"}`` counter shows them.
 * Bodies are read with a hard cap (``max_body_bytes``; ``Content-Length`` is
   checked first, chunked bodies are counted as they stream in) before any
-  decoding: 413 past it.
+  decoding: 413 past it. The 413 goes out before the rest of the body is
+  read; the connection then reads and drops the rest (bounded) before it
+  closes, so a client still sending reads the 413 and not a broken pipe
+  (``server/http_protocol.py``).
 * Authentication, when a token is configured, is checked before the body is
   read; ``/health`` stays open for load balancers and probes.
 * Starlette routes requests (paths, parameters, 404/405) to small ASGI
@@ -57,8 +60,10 @@ from tokenspeed_router.server.app import RouterService
 from tokenspeed_router.server.config import WorkerSpec
 from tokenspeed_router.server.explain import decision_answer
 from tokenspeed_router.server.gc_policy import GcCollector
+from tokenspeed_router.server.http_protocol import http_protocol
 from tokenspeed_router.server.loop_lag import LoopLag, LoopLagCollector
 from tokenspeed_router.server.metrics import CONTENT_TYPE
+from tokenspeed_router.server.openapi import openapi_json
 
 __all__ = ["HttpServer", "create_app"]
 
@@ -135,6 +140,16 @@ class _Endpoint:
             await send_response(send, 200, _json.encode(result))
 
 
+class _ByMethod:
+    """One ASGI endpoint answering each method with its own (Starlette has checked the method)."""
+
+    def __init__(self, **endpoints: _Endpoint) -> None:
+        self._endpoints = endpoints
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._endpoints[scope["method"]](scope, receive, send)
+
+
 def create_app(service: RouterService) -> Starlette:
     """The Starlette application serving ``service``: DESIGN §6 routes and the §10 gateway."""
     limits = service.config.limits
@@ -173,6 +188,11 @@ def create_app(service: RouterService) -> Starlette:
     async def metrics(scope: Scope, body: bytes) -> Any:
         return _Reply(200, service.metrics_text(), CONTENT_TYPE.encode())
 
+    document = openapi_json()  # built once: it depends on the code only
+
+    async def openapi(scope: Scope, body: bytes) -> Any:
+        return _Reply(200, document)
+
     async def put_worker(scope: Scope, body: bytes) -> Any:
         name = scope["path_params"]["name"]
         data = decode_json(_any_decoder, body)
@@ -200,72 +220,27 @@ def create_app(service: RouterService) -> Starlette:
             message = f"method {request.method} not allowed on {request.url.path}"
         else:
             message = str(exc.detail) if isinstance(exc, HTTPException) else "internal error"
-        return Response(_json.encode({"error": message}), status_code=status, media_type="application/json")
+        # a 405 keeps Starlette's Allow header (RFC 9110: the methods the path does answer)
+        headers = exc.headers if isinstance(exc, HTTPException) else None
+        return Response(_json.encode({"error": message}), status_code=status, headers=headers,
+                        media_type="application/json")
 
     routes = [
         Route("/match", endpoint(match, body=True), methods=["POST"]),
         Route("/route", endpoint(route, body=True), methods=["POST"]),
         Route("/release", endpoint(release, body=True), methods=["POST"]),
         Route("/workers", endpoint(workers), methods=["GET"]),
-        Route("/workers/{name:path}", endpoint(put_worker, body=True), methods=["PUT"]),
-        Route("/workers/{name:path}", endpoint(delete_worker), methods=["DELETE"]),
+        # one route for both methods: a 405 on the path names both in its Allow header
+        Route("/workers/{name:path}", _ByMethod(PUT=endpoint(put_worker, body=True), DELETE=endpoint(delete_worker)),
+              methods=["PUT", "DELETE"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
         Route("/metrics", endpoint(metrics), methods=["GET"]),
+        Route("/openapi.json", endpoint(openapi, auth=False), methods=["GET"]),
         *gateway.routes(),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found})
     app.state.gateway = gateway  # HttpServer closes its upstream connections at shutdown
     return app
-
-
-class _CoalescingTransport:
-    """A transport whose writes of one event-loop turn go out as one ``write``.
-
-    uvicorn writes an answer's head as soon as ``http.response.start`` is sent
-    and its body on the next ``send``: two syscalls, two loopback segments and
-    two wake-ups of the client per answer. Here both are joined and written
-    once, when the turn that produced them is over (``call_soon``). Everything
-    but ``write`` and ``close`` is the real transport's.
-    """
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._pending: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        if not data:
-            return
-        if not self._pending:
-            self._loop.call_soon(self._flush)
-        self._pending.append(data)
-
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, []
-        if pending and not self._transport.is_closing():
-            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
-
-    def close(self) -> None:
-        self._flush()  # uvicorn closes right after the last write of a non-keep-alive answer
-        self._transport.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-def _http_protocol() -> Any:
-    """uvicorn's httptools protocol writing through :class:`_CoalescingTransport` ("auto" without httptools)."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:
-        return "auto"
-
-    class CoalescingHttpToolsProtocol(HttpToolsProtocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            coalescing = _CoalescingTransport(transport, self.loop)  # type: ignore[arg-type]
-            super().connection_made(coalescing)  # type: ignore[arg-type]
-
-    return CoalescingHttpToolsProtocol
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:
@@ -328,7 +303,8 @@ class HttpServer:
             log_level="warning",
             access_log=False,
             lifespan="off",
-            http=_http_protocol(),  # httptools (a dependency), one write per answer
+            # httptools (a dependency): one write per answer, early answers drained (http_protocol.py)
+            http=http_protocol(drain_max_bytes=max(64 << 20, 4 * service.config.limits.max_body_bytes)),
             server_header=False,
             date_header=False,
             # no X-Forwarded-* rewriting of the client address: nothing here reads it, and the

@@ -22,6 +22,34 @@ been *disconnected* for ``stale_after_s`` (or never connected since it was
 added) is reported to the service as stale; an idle but connected worker
 stays live. ``inproc://`` streams have no connection events and never go
 stale this way.
+
+A connection is not a working stream: a CURVE client given the wrong server
+key connects over TCP every reconnect interval and fails the handshake every
+time, so it never looked disconnected for long, and ``/health`` said ``ok``
+for minutes while nothing arrived. With libzmq >= 4.3 the monitor (attached
+before the socket connects, so nothing is missed) reports the ZMTP/CURVE
+handshake, and a stream counts as connected only once its handshake
+succeeded. A failed one names its cause (:meth:`IngestLoop.stream_problems`,
+shown per worker in ``/workers`` and ``/health``):
+
+* ``EVENT_HANDSHAKE_FAILED_AUTH``: the publisher refused our client key
+  (ZAP status 400: not on the relay's allow-list);
+* ``EVENT_HANDSHAKE_FAILED_PROTOCOL``: e.g. CURVE on one side only;
+* ``EVENT_HANDSHAKE_FAILED_NO_DETAIL``: the publisher dropped the connection
+  mid-handshake: what a CURVE server does with a client that holds the wrong
+  server key (it cannot open the client's HELLO);
+* no handshake within :data:`HANDSHAKE_DEADLINE_S` of connecting: a peer
+  that does not speak ZMTP.
+
+A wrong ``topic=`` cannot be seen on the stream itself: the publisher filters
+by subscription and sends nothing. So a stream with a ``topic=`` that has
+been connected for :data:`TOPIC_PROBE_AFTER_S` without one message gets a
+probe: a second SUB socket subscribed to everything, open until its first
+message. A message under another topic names the mismatch; one under ours
+only means the worker was idle. An idle publisher sends the probe nothing
+either, so it costs one idle connection while the stream stays silent, and a
+wrong topic on a publisher that never publishes stays unseen ("connected but
+silent").
 """
 
 from __future__ import annotations
@@ -54,9 +82,20 @@ __all__ = ["IngestLoop", "StreamState"]
 
 logger = logging.getLogger(__name__)
 
+#: libzmq >= 4.3 reports handshakes (pyzmq names the events whatever libzmq it runs on)
+_HANDSHAKES = zmq.zmq_version_info() >= (4, 3)
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+) if _HANDSHAKES else 0
 _MONITOR_EVENTS = (
     zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+    | _HANDSHAKE_EVENTS
 )
+#: a TCP connection whose ZMTP handshake has not succeeded this long after it came up is named
+HANDSHAKE_DEADLINE_S = 5.0
+#: a stream with a topic= silent this long after its handshake gets a probe (module docstring)
+TOPIC_PROBE_AFTER_S = 5.0
 _POLL_MS = 20
 _STALE_CHECK_S = 0.05
 #: How long the loop blocks on its command queue while it holds no stream.
@@ -73,6 +112,16 @@ class StreamState:
     connected: bool = False
     down_since_s: float = field(default_factory=time.monotonic)
     reported_stale: bool = False
+    #: the first TCP connection since the last successful handshake (None: none pending)
+    handshake_wait_s: float | None = None
+    #: why this stream delivers nothing (a failed handshake, a foreign topic); None when fine
+    problem: str | None = None
+    #: when the stream last handshook or delivered an item (the topic probe's clock)
+    quiet_since_s: float | None = None
+    #: the all-topics SUB socket of the topic probe, while it runs
+    probe: zmq.Socket[bytes] | None = None
+    #: a probe saw a message since the stream last handshook or delivered (no second probe)
+    probed: bool = False
 
 
 class IngestLoop:
@@ -120,6 +169,8 @@ class IngestLoop:
         self._thread: threading.Thread | None = None
         self._last_error_log = 0.0
         self._connected_snapshot: dict[str, bool] = {}
+        self._problems_snapshot: dict[str, str] = {}
+        self._by_probe: dict[Any, StreamState] = {}
         self._stats_snapshot: dict[str, SubscriberStatistics] = {}
 
     # --- lifecycle (any thread) ---------------------------------------------------
@@ -177,17 +228,13 @@ class IngestLoop:
         if not self._queue.flush():
             logger.warning("worker=%s: items still queued when its stream closed", name)
         self._lag.forget(name)
-        sock = state.subscriber.socket
         self._group.remove(name)
         if state.monitor is not None:
             self._by_monitor.pop(state.monitor, None)
-            try:
-                sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            state.monitor.close(linger=0)
-        state.subscriber.close()
+        self._close_probe(state)
+        state.subscriber.close()  # and its monitor
         self._connected_snapshot.pop(name, None)
+        self._problems_snapshot.pop(name, None)
         self._stats_snapshot.pop(name, None)
         logger.info("worker=%s unsubscribed", name)
         return True
@@ -198,6 +245,10 @@ class IngestLoop:
     def connected(self) -> dict[str, bool]:
         """Connection state per stream (a copy, safe to read from any thread)."""
         return dict(self._connected_snapshot)
+
+    def stream_problems(self) -> dict[str, str]:
+        """Why a stream delivers nothing, per stream that has a named cause (any thread)."""
+        return dict(self._problems_snapshot)
 
     def statistics(self) -> dict[str, SubscriberStatistics]:
         """Each stream's subscriber counters, refreshed by the loop every 50 ms (any thread)."""
@@ -263,19 +314,15 @@ class IngestLoop:
             max_payload_bytes=self._max_payload_bytes,
             start_seq=start_seq,
             curve=spec.curve,
+            # attached before the SUB connects: the first handshake's outcome is never missed
+            monitor_events=0 if spec.events.startswith("inproc://") else _MONITOR_EVENTS,
         )
-        monitor: zmq.Socket[bytes] | None = None
-        if not spec.events.startswith("inproc://"):
-            try:
-                monitor = sub.socket.get_monitor_socket(_MONITOR_EVENTS)
-            except BaseException:
-                sub.close()
-                raise
-        # The subscriber connected in its constructor, before the monitor existed, so
-        # a quick EVENT_CONNECTED may already be gone: start optimistic and let
+        monitor = sub.monitor
+        # Start optimistic (as a connection that has not failed yet) and let
         # EVENT_CONNECT_RETRIED (sent every reconnect interval while the endpoint is
-        # unreachable) or EVENT_DISCONNECTED say otherwise.
-        state = StreamState(spec=spec, subscriber=sub, monitor=monitor, connected=True)
+        # unreachable), EVENT_DISCONNECTED or a failed handshake say otherwise.
+        state = StreamState(spec=spec, subscriber=sub, monitor=monitor, connected=True,
+                            quiet_since_s=time.monotonic())
         self._streams[spec.name] = state
         self._group.add(sub)
         if monitor is not None:
@@ -295,6 +342,7 @@ class IngestLoop:
                 if now >= next_stale_check:
                     next_stale_check = now + _STALE_CHECK_S
                     self._check_stale(now)
+                    self._check_handshakes(now)
                     self._stats_snapshot = {n: st.subscriber.statistics() for n, st in self._streams.items()}
         except Exception:
             logger.exception("ingestion loop crashed")
@@ -312,19 +360,25 @@ class IngestLoop:
             return
         items, ready_monitors = self._group.poll_with(
             _POLL_MS / 1000.0,
-            watch=list(self._by_monitor),
+            watch=[*self._by_monitor, *self._by_probe],
             on_error=lambda sub: self._error(f"worker={sub.worker} receive failed"),
         )
         behind: set[str] = set()
         seen: set[str] = set()
+        arrived: set[str] = set()
         for item in items:
             name = item.worker
-            if name not in seen:
-                seen.add(name)
+            seen.add(name)
+            if not isinstance(item, BatchReceived):
+                continue  # a resync can be the subscriber's own verdict (a replay unanswered): no proof of a link
+            if name not in arrived:
+                arrived.add(name)
                 stream = self._streams.get(name)
-                if stream is not None and not stream.connected:
-                    self._set_connected(stream, True)
-            if isinstance(item, BatchReceived) and self._lag.receive_excess(item) > self._max_lag_s:
+                if stream is not None:
+                    if not stream.connected:
+                        self._set_connected(stream, True)
+                    self._delivered(stream)
+            if self._lag.receive_excess(item) > self._max_lag_s:
                 behind.add(name)
         self._queue.put(items)  # waits while the queue is full: back-pressure
         for name in behind:
@@ -332,8 +386,12 @@ class IngestLoop:
         for name in self._streams:
             if name not in seen:
                 self._lag.caught_up(name)  # its socket was empty
-        for monitor in ready_monitors:
-            self._monitor_events(self._by_monitor[monitor])
+        for sock in ready_monitors:
+            monitored = self._by_monitor.get(sock)
+            if monitored is not None:
+                self._monitor_events(monitored)
+            elif (probed := self._by_probe.get(sock)) is not None:
+                self._probe_message(probed)
 
     def _shed(self, name: str) -> None:
         """``name`` is more than max_lag_s behind: drop its socket backlog (counted)."""
@@ -400,7 +458,21 @@ class IngestLoop:
                 return
             event = msg.get("event")
             if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                if not _HANDSHAKES:
+                    self._set_connected(stream, True)
+                elif stream.handshake_wait_s is None:
+                    stream.handshake_wait_s = time.monotonic()  # connected only once it handshakes
+            elif _HANDSHAKES and event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                stream.handshake_wait_s = None
+                stream.quiet_since_s = time.monotonic()
+                if stream.problem is not None and not stream.probed:
+                    self._set_problem(stream, None)
+                if stream.problem is None:
+                    stream.probed = False  # a new connection may be a new publisher: probe it again if silent
                 self._set_connected(stream, True)
+            elif _HANDSHAKES and event in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                                           zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+                self._set_problem(stream, _handshake_failure(stream.spec, int(event), int(msg.get("value", 0))))
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):
                 self._set_connected(stream, False)
 
@@ -434,3 +506,104 @@ class IngestLoop:
                     self._on_stale(stream.spec.name)
                 except Exception:
                     self._error(f"worker={stream.spec.name} mark stale failed")
+
+    # --- handshakes and topics (module docstring) ------------------------------------------
+
+    def _set_problem(self, stream: StreamState, problem: str | None) -> None:
+        if stream.problem == problem:
+            return
+        stream.problem = problem
+        name = stream.spec.name
+        if problem is None:
+            self._problems_snapshot.pop(name, None)
+            logger.info("worker=%s stream works again", name)
+        else:
+            self._problems_snapshot[name] = problem
+            logger.warning("worker=%s %s", name, problem)
+
+    def _delivered(self, stream: StreamState) -> None:
+        """An item came: the stream works, whatever the probe thought."""
+        stream.quiet_since_s = None
+        if stream.probed or stream.probe is not None:
+            stream.probed = False
+            self._close_probe(stream)
+        if stream.problem is not None:
+            self._set_problem(stream, None)
+
+    def _check_handshakes(self, now: float) -> None:
+        for stream in self._streams.values():
+            waited = stream.handshake_wait_s
+            if waited is not None and now - waited >= HANDSHAKE_DEADLINE_S and stream.problem is None:
+                curve = " (or a wrong curve_server_key)" if stream.spec.curve is not None else ""
+                self._set_problem(stream, f"connected to {stream.spec.events}, but no ZeroMQ handshake completed "
+                                          f"within {HANDSHAKE_DEADLINE_S:g} s: not a ZeroMQ publisher{curve}?")
+            quiet = stream.quiet_since_s
+            if (stream.spec.topic and stream.connected and waited is None and quiet is not None
+                    and not stream.probed and stream.probe is None and now - quiet >= TOPIC_PROBE_AFTER_S):
+                self._open_probe(stream)
+
+    def _open_probe(self, stream: StreamState) -> None:
+        spec = stream.spec
+        probe = self._ctx.socket(zmq.SUB)
+        try:
+            probe.setsockopt(zmq.LINGER, 0)
+            probe.setsockopt(zmq.RCVHWM, 16)
+            if ipv6_endpoint(spec.events):
+                probe.setsockopt(zmq.IPV6, 1)
+            if spec.curve is not None:
+                spec.curve.apply(probe)
+            probe.setsockopt(zmq.SUBSCRIBE, b"")
+            probe.connect(spec.events)
+        except zmq.ZMQError:
+            probe.close(linger=0)
+            self._error(f"worker={spec.name} topic probe failed")
+            stream.probed = True  # not again
+            return
+        stream.probe = probe
+        self._by_probe[probe] = stream
+        logger.info("worker=%s silent for %.0f s under topic %r: watching which topics %s publishes",
+                    spec.name, TOPIC_PROBE_AFTER_S, spec.topic, spec.events)
+
+    def _probe_message(self, stream: StreamState) -> None:
+        assert stream.probe is not None
+        try:
+            frames = stream.probe.recv_multipart(zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return
+        spec = stream.spec
+        topic = frames[0] if len(frames) == 3 else b""
+        stream.probed = True
+        self._close_probe(stream)
+        if not topic.startswith(spec.topic.encode()):
+            self._set_problem(stream, f"{spec.events} publishes under topic {topic.decode(errors='replace')!r}, "
+                                      f"not under the spec's topic={spec.topic!r}: nothing it publishes arrives")
+        # else: ours; the stream was only idle, and its own socket receives this message too
+
+    def _close_probe(self, stream: StreamState) -> None:
+        if stream.probe is not None:
+            self._by_probe.pop(stream.probe, None)
+            stream.probe.close(linger=0)
+            stream.probe = None
+
+
+#: libzmq's ZMTP protocol error codes by value (EVENT_HANDSHAKE_FAILED_PROTOCOL's value)
+_PROTOCOL_ERRORS = {int(getattr(zmq, n)): n for n in dir(zmq) if n.startswith("PROTOCOL_ERROR_")}
+
+
+def _handshake_failure(spec: SubscriberSpec, event: int, value: int) -> str:
+    """The cause of a failed ZMTP/CURVE handshake with ``spec``'s events endpoint, in words."""
+    where = spec.events
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"{where} refused our CURVE client key (ZAP status {value}): add the router's public key "
+                "(the .key file of curve_key=) to the relay's --curve-allow")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if value == int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH):
+            side = ("the spec has curve_server_key=/curve_key=, the publisher is not a CURVE server"
+                    if spec.curve is not None else "the publisher requires CURVE: give curve_server_key= and "
+                    "curve_key= in the worker spec")
+            return f"security mechanism mismatch with {where}: {side}"
+        return f"ZeroMQ handshake with {where} failed: {_PROTOCOL_ERRORS.get(value, hex(value))}"
+    if spec.curve is not None:
+        return (f"CURVE handshake with {where} failed: the publisher dropped the connection (what a CURVE "
+                "server does to a client holding the wrong server key: check curve_server_key=)")
+    return f"ZeroMQ handshake with {where} failed: the peer dropped the connection (is it a ZeroMQ publisher?)"

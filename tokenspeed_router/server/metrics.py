@@ -69,6 +69,7 @@ class WorkerSample:
     replay_requests: int = 0
     replay_timeouts: int = 0
     malformed: int = 0
+    malformed_by_cause: dict[str, int] = field(default_factory=dict)
     duplicates: int = 0
     blocks_by_tier: dict[str, int] = field(default_factory=dict)
     #: this process's in-flight load on the worker (the router's own, not the peers')
@@ -147,6 +148,16 @@ class WorkerStateCollector(Collector):
             for s in samples:
                 fam.add_metric([s.name], float(getattr(s, attr)))
             yield fam
+        by_cause = CounterMetricFamily(
+            "tokenspeed_ingest_malformed_frames_by_cause",
+            "frames skipped before sequencing, by cause (frame_count, seq_length, topic, payload_size, "
+            "payload_decode, no_known_events, replay_frame): none of them moved the sequence state",
+            labels=["worker", "cause"],
+        )
+        for s in samples:
+            for cause, n in sorted(s.malformed_by_cause.items()):
+                by_cause.add_metric([s.name, cause], float(n))
+        yield by_cause
         lag = GaugeMetricFamily(
             "tokenspeed_worker_lag_seconds",
             "now minus the timestamp of the newest batch applied for the worker",

@@ -1,9 +1,10 @@
 """What ``GET /workers`` and the per-worker Prometheus samples say about each worker.
 
-One job: turn the service's state (registry, ingestion statuses, router load,
-index counts, subscriber statistics) into the reported shapes. Pure
-functions over values the caller read under its lock, so the shape of the
-answer lives in one place and the locking in another.
+One job: turn the service's state (its configured streams, the routing
+core's index counts, ingestion statuses, load and marks, the subscribers'
+statistics) into the reported shapes. The caller holds the core's locks
+(``RoutingCore.locked``), so the shape of the answer lives in one place and
+the locking in another.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tokenspeed_router.router.index import KvIndex
-from tokenspeed_router.router.ingest import WorkerStatus
+from tokenspeed_router.router.core import RoutingCore
 from tokenspeed_router.router.router import WorkerRole
 from tokenspeed_router.server.apply_queue import LagStatus
 from tokenspeed_router.server.metrics import WorkerSample
@@ -23,15 +23,14 @@ __all__ = ["worker_entries", "worker_samples"]
 
 def worker_entries(
     registry: WorkerRegistry,
-    index: KvIndex,
-    statuses: Mapping[str, WorkerStatus],
-    load: Mapping[str, Any],
+    core: RoutingCore,
     stats: Mapping[str, Any],
     connected: Mapping[str, Any],
     now: float,
     *,
     peers: Mapping[str, Any] | None = None,
     ingest_lag: Mapping[str, LagStatus] | None = None,
+    stream_problems: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """``GET /workers``: ``{name: info}`` per stream, at the top level (DESIGN §6).
 
@@ -42,12 +41,19 @@ def worker_entries(
     which KvIndex core runs). ``peers``: other router replicas' in-flight load
     per worker (shared load), reported as ``in_flight_peers``. ``ingest_lag``:
     the apply queue's view (``lagging``: its events reach the index late;
-    ``ingest_queued``, ``apply_delay_s``, ``shed_batches``).
+    ``ingest_queued``, ``apply_delay_s``, ``shed_batches``). ``stream_problems``:
+    why a stream delivers nothing (a failed handshake, a foreign topic), as
+    ``stream_problem`` (None when there is none).
     """
     peers = peers or {}
     queue = ingest_lag or {}
+    problems = stream_problems or {}
+    index = core.index
+    statuses = core.ingestor.statuses()
+    load = core.router.load()
+    roles = core.roles
     out: dict[str, Any] = {}
-    for name in registry.names(statuses):
+    for name in registry.names([*roles, *statuses]):
         st = statuses.get(name)
         sub = registry.streams.get(name)
         wl = load.get(name)
@@ -56,7 +62,7 @@ def worker_entries(
         out[name] = {
             "worker": sub.worker if sub is not None else name,
             "dp_rank": sub.dp_rank if sub is not None else None,
-            "role": registry.roles.get(name, sub.role if sub is not None else WorkerRole.BOTH).value,
+            "role": roles.get(name, sub.role if sub is not None else WorkerRole.BOTH).value,
             "state": st.state.value if st is not None else "live",
             "blocks": blocks,
             "blocks_held": blocks,
@@ -72,9 +78,11 @@ def worker_entries(
             "events_rejected": st.events_rejected if st is not None else 0,
             "resyncs": st.resyncs if st is not None else 0,
             "restarts": st.restarts if st is not None else 0,
-            "replayed_batches": registry.replayed.get(name, 0),
+            "replayed_batches": core.replayed.get(name, 0),
             "gaps": stats[name].gaps if name in stats else 0,
             "malformed_frames": stats[name].malformed_total if name in stats else 0,
+            # skipped before sequencing, by cause (events/subscriber.py): none of them moved the seq
+            "malformed_by_cause": dict(stats[name].malformed) if name in stats else {},
             "duplicates": stats[name].duplicates if name in stats else 0,
             "lag_s": lag,
             "lag": lag,
@@ -85,6 +93,7 @@ def worker_entries(
             # requests other router replicas have in flight there (shared load)
             "in_flight_peers": peers[name].active_requests if name in peers else 0,
             "connected": connected.get(name),
+            "stream_problem": problems.get(name),
             "lagging": queue[name].lagging if name in queue else False,
             "ingest_queued": queue[name].queued if name in queue else 0,
             "apply_delay_s": queue[name].apply_delay_s if name in queue else None,
@@ -97,33 +106,33 @@ def worker_entries(
 
 
 def worker_samples(
-    registry: WorkerRegistry,
-    index: KvIndex,
-    statuses: Mapping[str, WorkerStatus],
+    core: RoutingCore,
     stats: Mapping[str, Any],
     now: float,
-    load: Mapping[str, Any] | None = None,
     lag: Mapping[str, LagStatus] | None = None,
 ) -> list[WorkerSample]:
-    """One Prometheus sample per worker the ingestor knows (``/metrics``); ``load``: the
-    router's in-flight load per worker (``WorkerLoad``); ``lag``: the apply queue's view."""
-    load = load or {}
+    """One Prometheus sample per worker the ingestor knows (``/metrics``); ``lag``: the apply queue's view."""
+    index = core.index
+    statuses = core.ingestor.statuses()
+    load = core.router.load()
+    roles = core.roles
     lag = lag or {}
     return [
         WorkerSample(
             name=name,
-            role=registry.roles.get(name, WorkerRole.BOTH).value,
+            role=roles.get(name, WorkerRole.BOTH).value,
             state=st.state.value,
             batches_applied=st.batches_applied,
             events_applied=st.events_applied,
             events_rejected=st.events_rejected,
             resyncs=st.resyncs,
             restarts=st.restarts,
-            replayed_batches=registry.replayed.get(name, 0),
+            replayed_batches=core.replayed.get(name, 0),
             gaps=stats[name].gaps if name in stats else st.resyncs,
             replay_requests=stats[name].replay_requests if name in stats else 0,
             replay_timeouts=stats[name].replay_timeouts if name in stats else 0,
             malformed=stats[name].malformed_total if name in stats else 0,
+            malformed_by_cause=dict(stats[name].malformed) if name in stats else {},
             duplicates=stats[name].duplicates if name in stats else 0,
             lag_s=(now - st.last_batch_ts) if st.last_batch_ts else None,
             blocks_by_tier=index.blocks_by_tier(name),

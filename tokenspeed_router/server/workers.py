@@ -1,17 +1,18 @@
-"""Who the router routes to: configured workers, their streams, roles and marks.
+"""Who the router process is configured to follow: workers and their streams.
 
-One job: membership bookkeeping and its rules (names and endpoints unique,
-a DP rank is deleted through its worker, a worker's cold flag). No I/O, no
-locks of its own: :class:`~tokenspeed_router.server.app.RouterService`
-mutates it under its router lock, the same critical section in which it
-tells the ``Router`` and the ``IndexIngestor``. Problems are domain errors
-(``WorkerConflictError``, ``UnknownWorkerError``); the API maps them to
-HTTP codes in one place (``server/api.py``).
+One job: configuration bookkeeping and its rules (names and endpoints
+unique, a DP rank is deleted through its worker). What routing knows of a
+worker -- its role, cold flag, the gateway's marks -- lives in the routing
+core (``router/core.py``), which :meth:`check_put` and :meth:`streams_of`
+consult through the ``roles`` mapping they are given. No I/O, no locks of its
+own. Problems are domain errors (``WorkerConflictError``,
+``UnknownWorkerError``); the API maps them to HTTP codes in one place
+(``server/api.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from tokenspeed_router.errors import UnknownWorkerError, WorkerConflictError
 from tokenspeed_router.router.router import WorkerRole
@@ -21,44 +22,29 @@ __all__ = ["WorkerRegistry"]
 
 
 class WorkerRegistry:
-    """Configured workers (by name), streams (by stream name) and routable workers' roles."""
+    """Configured workers (by name) and streams (by stream name)."""
 
     def __init__(self) -> None:
         #: configured worker name -> spec (``--worker`` and ``PUT /workers``)
         self.specs: dict[str, WorkerSpec] = {}
         #: stream name (``NAME`` or ``NAME/dpR``) -> spec
         self.streams: dict[str, SubscriberSpec] = {}
-        #: routable worker -> role (streams, and workers known only from a log)
-        self.roles: dict[str, WorkerRole] = {}
-        #: batches a worker's replay ring filled in, per worker
-        self.replayed: dict[str, int] = {}
-        #: workers whose prefix knowledge the gateway's truth loop distrusts (misaligned)
-        self.distrusted: set[str] = set()
-        #: workers the gateway found unreachable: out of routing until they answer
-        self.unreachable: set[str] = set()
 
     def role_of_stream(self, name: str) -> WorkerRole:
         """The configured role of a stream (``both`` for one no spec names)."""
         sub = self.streams.get(name)
         return sub.role if sub is not None else WorkerRole.BOTH
 
-    def routable(self, name: str) -> bool:
-        """Known and not taken out of routing by the gateway."""
-        return name in self.roles and name not in self.unreachable
-
-    def cold(self, name: str, ingest_cold: bool) -> bool:
-        """Route on load only: the index is not trusted for ``name`` (ingestion or truth loop)."""
-        return ingest_cold or name in self.distrusted
-
     def names(self, also: Iterable[str] = ()) -> list[str]:
         """Every worker to report, streams first, in a stable order."""
-        return list(dict.fromkeys([*self.streams, *self.roles, *also]))
+        return list(dict.fromkeys([*self.streams, *also]))
 
-    def check_put(self, spec: WorkerSpec) -> WorkerSpec | None:
+    def check_put(self, spec: WorkerSpec, roles: Mapping[str, WorkerRole]) -> WorkerSpec | None:
         """Validate adding or replacing ``spec``; returns the spec it replaces (None if new).
 
         Names and endpoints of other workers may not be reused: two streams
         with one endpoint would feed one engine's events into two index entries.
+        ``roles``: the workers routing knows (the routing core's).
         """
         old = self.specs.get(spec.name)
         taken = {
@@ -69,14 +55,14 @@ class WorkerRegistry:
             if ep is not None
         }
         for sub in spec.subscribers():
-            if sub.name in self.roles and (old is None or self.streams.get(sub.name, sub).worker != spec.name):
+            if sub.name in roles and (old is None or self.streams.get(sub.name, sub).worker != spec.name):
                 raise WorkerConflictError(f"worker name {sub.name!r} is already in use")
             for ep in (sub.events, sub.replay):
                 if ep is not None and ep in taken:
                     raise WorkerConflictError(f"endpoint {ep} is already used by worker {taken[ep]!r}")
         return old
 
-    def streams_of(self, name: str) -> list[str]:
+    def streams_of(self, name: str, roles: Mapping[str, WorkerRole]) -> list[str]:
         """The stream names deleting ``name`` removes (a configured worker, or one stream)."""
         spec = self.specs.get(name)
         sub = self.streams.get(name)
@@ -84,15 +70,11 @@ class WorkerRegistry:
             return [s.name for s in spec.subscribers()]
         if sub is not None and sub.worker in self.specs:
             raise WorkerConflictError(f"{name!r} is one rank of worker {sub.worker!r}: delete {sub.worker!r}")
-        if name in self.roles or name in self.streams:
+        if name in roles or name in self.streams:
             return [name]
         raise UnknownWorkerError(f"unknown worker {name!r}")
 
     def forget(self, names: Iterable[str]) -> None:
-        """Drop streams (and what the gateway marked on them)."""
+        """Drop streams."""
         for n in names:
-            self.roles.pop(n, None)
-            self.distrusted.discard(n)
-            self.unreachable.discard(n)
             self.streams.pop(n, None)
-            self.replayed.pop(n, None)

@@ -16,12 +16,12 @@ from tokenspeed_router.sim.cluster import (
 )
 from tokenspeed_router.sim.report import policy_metrics
 from tokenspeed_router.sim.runner import run_policies, run_policy
+from tokenspeed_router.sim.shapes import WorkloadConfig, generate_workload
 from tokenspeed_router.sim.traces import (
     TraceRequest,
     TraceWindow,
     load_mooncake,
 )
-from tokenspeed_router.sim.workload import WorkloadConfig, generate_workload
 
 __all__ = [
     "ClusterConfig",

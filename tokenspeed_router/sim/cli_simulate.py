@@ -35,6 +35,7 @@ from tokenspeed_router.sim.runner import (
     run_policies,
     sweep,
 )
+from tokenspeed_router.sim.shapes import WorkloadConfig, generate_workload
 from tokenspeed_router.sim.traces import (
     MOONCAKE_BLOCK_TOKENS,
     TraceRequest,
@@ -42,7 +43,6 @@ from tokenspeed_router.sim.traces import (
     load_mooncake,
     trace_summary,
 )
-from tokenspeed_router.sim.workload import WorkloadConfig, generate_workload
 from tokenspeed_router.timing import PROFILES
 
 __all__ = ["add_arguments", "load_requests", "parse_router_options", "run"]

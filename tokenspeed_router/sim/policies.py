@@ -1,9 +1,10 @@
 """Routing backends the simulator drives: the real Router, and the oracle.
 
-* :class:`RouterBackend` wraps the project's real :class:`Router` over a real
-  :class:`KvIndex`, fed through the real :class:`IndexIngestor` (so sequence
-  gaps from lost events take the same resync path as in production). Its
-  clock is the simulator's virtual clock. One backend per policy name:
+* :class:`RouterBackend` runs the routing core ``serve`` runs
+  (``router/core.py``: a real :class:`KvIndex`, :class:`IndexIngestor` and
+  :class:`Router`, wired once), so sequence gaps from lost events take the
+  same resync path as in production and the cost model hears every store.
+  Its clock is the simulator's virtual clock. One backend per policy name:
   ``kv_aware`` (default), ``random``, ``round_robin``, ``least_loaded``,
   ``approx``.
 * :class:`OracleBackend` reads every worker's true cache and queue at
@@ -58,57 +59,46 @@ class RouterBackend:
         router_options: dict[str, Any] | None = None,
         signal_prefill_done: bool = True,
     ) -> None:
-        from tokenspeed_router.router.ingest import IndexIngestor, WorkerState
-        from tokenspeed_router.router.router import Router, RouterConfig
+        from tokenspeed_router.router.core import RoutingCore
+        from tokenspeed_router.router.router import RouterConfig
 
         self.name = policy
         self.needs_events = policy == "kv_aware"
         self._signal_prefill_done = signal_prefill_done
         options = dict(router_options or {})
         options.setdefault("seed", cluster.seed)
-        config = RouterConfig(policy=policy, **options)
-        index = None
-        if self.needs_events:
-            from tokenspeed_router.router.index import KvIndex
-
-            index = KvIndex()
-        self._router = router = Router(index, config, clock=view.now)
+        # The routing core serve runs (router/core.py), on the virtual clock, fed the
+        # engines' batches through the door a log replay uses (the same sequence rules).
+        self._core = core = RoutingCore(RouterConfig(policy=policy, **options), clock=view.now)
         role = "prefill" if cluster.disaggregated else "both"
         for name in cluster.worker_names():
-            router.add_worker(name, role=role)
+            core.add_worker(name, role)
         for name in cluster.decode_names():
-            router.add_worker(name, role="decode")
-        self._ingestor = None
-        if index is not None:
-            # Wired to the router the way the server wires it.
-            self._ingestor = IndexIngestor(
-                index,
-                clock=view.now,
-                on_state_change=lambda w, state: router.set_cold(w, state is not WorkerState.LIVE),
-                on_applied=router.on_index_applied,
-                on_cleared=router.on_index_cleared,
-            )
-            for name in (*cluster.worker_names(), *cluster.decode_names()):
-                self._ingestor.add_worker(name)
+            core.add_worker(name, "decode")
+
+    @property
+    def core(self) -> Any:
+        """The routing core (for inspection)."""
+        return self._core
 
     @property
     def router(self) -> Any:
         """The underlying :class:`Router` (for inspection)."""
-        return self._router
+        return self._core.router
 
     def ingest_statuses(self) -> dict[str, Any]:
         """Per worker ingest status (resyncs, rejected events); empty without events."""
-        return dict(self._ingestor.statuses()) if self._ingestor is not None else {}
+        return dict(self._core.statuses()) if self.needs_events else {}
 
     def route(self, request: TraceRequest, tokens: np.ndarray) -> RouteChoice:
-        decision = self._router.route(tokens, request_id=request.request_id)
+        decision = self._core.route(tokens, request_id=request.request_id)
         predicted = decision.matched_tokens if self.name in ("kv_aware", "approx") else None
         return RouteChoice(worker=decision.worker, decode_worker=decision.decode_worker,
                            predicted_hit_tokens=predicted)
 
     def deliver(self, worker: str, seq: int, events: list[Event], now: float) -> None:
-        if self._ingestor is not None:
-            self._ingestor.on_record(worker, seq, KVEventBatch(ts=now, events=events), now)
+        if self.needs_events:
+            self._core.apply_record(worker, seq, KVEventBatch(ts=now, events=events), now)
 
     def prefill_done(self, request_id: str, now: float) -> None:
         # What a streaming gateway knows at the first token: that the prefill ended, not how
@@ -116,10 +106,10 @@ class RouterBackend:
         # the router the engine's exact uncached tokens here made simulate fit prefill rates
         # the live gateway cannot, and the two disagreed (tests/integration/test_sim_live_parity.py).
         if self._signal_prefill_done:
-            self._router.mark_prefill_done(request_id)
+            self._core.mark_prefill_done(request_id)
 
     def finished(self, request_id: str, now: float) -> None:
-        self._router.release(request_id)
+        self._core.release(request_id)
 
 
 class OracleBackend:

@@ -142,6 +142,9 @@ class ReplicaSet:
         if self.shared:
             self.dirty[i] = True
             self._publish_due()
+            for j, shared in enumerate(self.shared):  # as the live receiving threads do: on arrival
+                if j != i:
+                    shared.receive_now()
 
     def route(self, request: TraceRequest, tokens: np.ndarray) -> RouteChoice:
         i = self.turn % len(self.reps)

@@ -1,4 +1,4 @@
-"""Replay Mooncake-style trace rows through the real Router, KvIndex and IndexIngestor.
+"""Replay Mooncake-style trace rows through the routing core (``router/core.py``).
 
 A deliberately small cluster model, shared by the hot-spot test
 (``tests/unit/test_router_hotspot.py``) and ``benchmarks/bench_router.py`` (it
@@ -7,8 +7,7 @@ hash id becomes 512 deterministic tokens, workers keep an *unbounded* prefix
 cache of 16-token blocks, prefill FIFO at ``prefill_tokens_per_s``, publish
 ``BlockStored`` when a prefill ends (the router hears the first token then)
 and finish after ``output_length * tpot_s``; TTFT = queueing + own uncached
-prefill. Time is a virtual clock injected into the router and the ingestor (no
-sleeps). The simulator (``tokenspeed_router.sim``) is the full model with
+prefill. Time is a virtual clock injected into the core (no sleeps). The simulator (``tokenspeed_router.sim``) is the full model with
 bounded caches and eviction; this one isolates the routing decision.
 """
 
@@ -22,9 +21,9 @@ from typing import Any
 
 from tokenspeed_router.events.schema import BlockHash, BlockStored, KVEventBatch
 from tokenspeed_router.hashing import block_hashes
-from tokenspeed_router.router.index import KvIndex
-from tokenspeed_router.router.ingest import IndexIngestor, WorkerState
-from tokenspeed_router.router.router import Router, RouterConfig
+from tokenspeed_router.router.core import RoutingCore
+from tokenspeed_router.router.ingest import WorkerState
+from tokenspeed_router.router.router import RouterConfig
 
 __all__ = ["ENGINE_BLOCK", "TRACE_BLOCK", "TraceReplay", "expand_hash_ids", "replay_trace"]
 
@@ -66,16 +65,10 @@ def replay_trace(
 ) -> TraceReplay:
     """Route every row in arrival order and model its prefill; see the module docstring."""
     clock = [0.0]
-    index = KvIndex()
-    router = Router(index, config, clock=lambda: clock[0])
-    ingestor = IndexIngestor(
-        index,
-        clock=lambda: clock[0],
-        on_state_change=lambda w, st: router.set_cold(w, st is not WorkerState.LIVE),
-    )
+    core = RoutingCore(config, clock=lambda: clock[0])
     names = [f"w{i}" for i in range(num_workers)]
     for name in names:
-        router.add_worker(name)
+        core.add_worker(name)
     cached: dict[str, set[int]] = {n: set() for n in names}
     free_at = dict.fromkeys(names, 0.0)
     seqs = dict.fromkeys(names, 0)
@@ -90,14 +83,14 @@ def replay_trace(
             if kind == 0:
                 worker, request_id, event = payload
                 if event is not None:
-                    ingestor.on_record(worker, seqs[worker], KVEventBatch(when, [event]), when)
+                    core.apply_record(worker, seqs[worker], KVEventBatch(when, [event]), when)
                     seqs[worker] += 1
-                router.mark_prefill_done(request_id)
+                core.mark_prefill_done(request_id)
             else:
-                router.release(payload)
+                core.release(payload)
         clock[0] = arrival
         tokens = expand_hash_ids(req["hash_ids"], req["input_length"])
-        decision = router.route(tokens)
+        decision = core.route(tokens)
         worker = decision.worker
         hashes = block_hashes(tokens, ENGINE_BLOCK)
         have = cached[worker]
@@ -126,5 +119,5 @@ def replay_trace(
         result.hit_tokens += hit * ENGINE_BLOCK
         result.prompt_tokens += len(tokens)
         result.ttft_s.append(done - arrival)
-    result.worker_states = {name: st.state for name, st in ingestor.statuses().items()}
+    result.worker_states = {name: st.state for name, st in core.statuses().items()}
     return result

@@ -25,10 +25,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
 from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.percentiles import percentile
 
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
@@ -37,8 +39,10 @@ __all__ = [
     "TraceWindow",
     "load_mooncake",
     "parse_mooncake",
+    "mooncake_line",
     "sample_prefix_groups",
     "trace_summary",
+    "write_mooncake",
 ]
 
 #: Tokens per hash id in the Mooncake release.
@@ -218,28 +222,70 @@ class TokenSynthesizer:
 
 
 def trace_summary(requests: list[TraceRequest]) -> dict[str, float]:
-    """Counts used in reports: requests, span, rate, tokens, ideal hit ratio.
+    """Counts used in reports: requests, span, rate, lengths, ideal hit ratios.
 
     The ideal hit ratio (infinite single cache, trace block granularity) is
-    the ceiling no routing policy can exceed.
+    the ceiling no routing policy can exceed: ``ideal_hit_ratio`` weighs
+    blocks by their tokens, ``ideal_block_hit_ratio`` counts blocks (the
+    fraction of blocks some earlier request already had).
     """
     seen: set[int] = set()
-    total = hit = 0
+    total = hit = blocks = blocks_hit = 0
     for r in requests:
         for i, h in enumerate(r.hash_ids):
             n = r.block_length(i)
             total += n
+            blocks += 1
             if h in seen:
                 hit += n
+                blocks_hit += 1
         seen.update(r.hash_ids)
     span = requests[-1].arrival_s - requests[0].arrival_s if requests else 0.0
+    inputs = [r.input_length for r in requests]
     return {
         "requests": float(len(requests)),
         "span_s": span,
         "req_per_s": len(requests) / span if span > 0 else 0.0,
         "input_tokens": float(total),
+        "input_mean": total / len(requests) if requests else 0.0,
+        "input_p50": percentile(inputs, 50) if requests else 0.0,
+        "input_p99": percentile(inputs, 99) if requests else 0.0,
+        "output_mean": sum(r.output_length for r in requests) / len(requests) if requests else 0.0,
         "ideal_hit_ratio": hit / total if total else 0.0,
+        "ideal_block_hit_ratio": blocks_hit / blocks if blocks else 0.0,
     }
+
+
+def mooncake_line(request: TraceRequest) -> str:
+    """One Mooncake JSON line for ``request`` (timestamp in whole milliseconds), no newline."""
+    return json.dumps({"timestamp": round(request.arrival_s * 1000.0), "input_length": request.input_length,
+                       "output_length": request.output_length, "hash_ids": list(request.hash_ids)})
+
+
+def write_mooncake(requests: Iterable[TraceRequest], out: str | Path | TextIO) -> int:
+    """Write ``requests`` as a Mooncake ``.jsonl`` trace (to a path or an open text file).
+
+    The inverse of :func:`load_mooncake` for arrivals in whole milliseconds:
+    the four fields of the format and nothing else, so any Mooncake reader
+    (AIPerf, Dynamo, SGLang's ``mooncake`` dataset) takes the file. Returns
+    the number of lines written.
+    """
+    if not isinstance(out, (str, Path)):
+        return _write_lines(requests, out)
+    path = Path(out)
+    try:
+        with path.open("w", encoding="utf-8") as fh:
+            return _write_lines(requests, fh)
+    except OSError as err:
+        raise ConfigError(f"cannot write trace {path}: {err.strerror or err}") from None
+
+
+def _write_lines(requests: Iterable[TraceRequest], fh: TextIO) -> int:
+    n = 0
+    for r in requests:
+        fh.write(mooncake_line(r) + "\n")
+        n += 1
+    return n
 
 
 def sample_prefix_groups(

@@ -17,8 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
 from tokenspeed_router.errors import TokenspeedError, WireError
@@ -74,48 +73,41 @@ class IndexHost(Protocol):
 
 
 class LocalIndexHost:
-    """An index, its ingestor and a lock: the host for tests, benchmarks and embedding."""
+    """A routing core on its own: the host for tests, benchmarks and embedding.
+
+    Everything is the core's (``router/core.py``: the same wiring ``serve``
+    runs); this adds :meth:`match` answering plain per-worker block counts.
+    """
 
     def __init__(self, index: KvIndex | None = None) -> None:
-        from tokenspeed_router.router.index import KvIndex
-        from tokenspeed_router.router.ingest import IndexIngestor
+        from tokenspeed_router.router.core import RoutingCore
 
-        self._index = index if index is not None else KvIndex()
-        self._ingestor = IndexIngestor(self._index)
-        self._lock = threading.RLock()
+        self.core = RoutingCore(index=index)
 
     @property
     def index(self) -> KvIndex:
-        return self._index
+        return self.core.index
 
     @property
     def ingestor(self) -> IndexIngestor:
-        return self._ingestor
+        return self.core.ingestor
 
     def apply_item(self, item: SubscriberItem) -> None:
-        with self._lock:
-            self._ingestor.on_item(item)
+        self.core.apply_item(item)
 
-    @contextmanager
-    def locked(self) -> Iterator[None]:
-        with self._lock:
-            yield
+    def locked(self) -> AbstractContextManager[None]:
+        return self.core.locked()
 
     def replace_index(self, index: KvIndex) -> None:
         """Adopt a restored index outright (the fast warm start)."""
-        from tokenspeed_router.router.ingest import IndexIngestor
-
-        with self._lock:
-            self._index = index
-            self._ingestor = IndexIngestor(index)
+        self.core.replace_index(index)
 
     def ensure_worker_locked(self, name: str) -> None:
-        """Nothing routes here: the ingestor already knows every restored worker."""
+        self.core.ensure_worker(name)
 
     def match(self, token_ids: list[int], lora_id: int | None = None,
               salt: str | None = None) -> dict[str, int]:
-        with self._lock:
-            return self._index.match(token_ids, lora_id=lora_id, salt=salt)
+        return self.core.index.match(token_ids, lora_id=lora_id, salt=salt)
 
 
 class StreamApplier:

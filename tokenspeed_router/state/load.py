@@ -65,7 +65,7 @@ import msgspec
 
 from tokenspeed_router.percentiles import percentile
 from tokenspeed_router.ratelimit import RateLimitedLog
-from tokenspeed_router.router.peer_work import PeerPrediction
+from tokenspeed_router.router.peer_work import PeerEnded, PeerEvent, PeerPrediction, PeerPrefillDone
 from tokenspeed_router.router.scoring import WorkerLoad
 from tokenspeed_router.state._client import Backoff, connect, transient_errors
 from tokenspeed_router.state.config import RedisStateConfig
@@ -99,7 +99,13 @@ class _Message(msgspec.Struct, array_like=True):
     """worker -> (requests, pending prefill tokens, context tokens): absolute totals."""
     routes: list[tuple[list[str], list[int]]]
     """(workers, prefix hashes) of the routes made since the last message."""
+    flights: list[tuple[int, str, int]] = []
+    """This replica's requests since the last message, in order: (kind, request id,
+    uncached tokens); kind 0 = routed (the i-th route of ``routes``, in order),
+    1 = first token, 2 = ended. A receiver of an older release ignores it."""
 
+
+_ROUTED, _DONE, _ENDED = 0, 1, 2
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(_Message)
@@ -275,8 +281,11 @@ class SharedLoad:
         self._seq = 0
         self._peers: Mapping[str, WorkerLoad] = {}
         self._view: dict[str, _Peer] = {}  # receiving thread only
-        self._outgoing: deque[tuple[list[str], list[int]]] = deque(maxlen=_MAX_PREDICTIONS)
-        self._incoming: deque[PeerPrediction] = deque(maxlen=_MAX_PREDICTIONS)
+        #: (route, flight) to send, in order: a route (workers, hashes) with its flight
+        #: (kind 0), or a first token / an end (no route)
+        self._outgoing: deque[tuple[tuple[list[str], list[int]] | None, tuple[int, str, int]]] = deque(
+            maxlen=_MAX_PREDICTIONS)
+        self._incoming: deque[PeerEvent] = deque(maxlen=_MAX_PREDICTIONS)
         self._dirty = threading.Event()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -313,16 +322,26 @@ class SharedLoad:
         if not self._dirty.is_set():
             self._dirty.set()
 
-    def routed(self, workers: tuple[str, ...], hashes: Sequence[int]) -> None:
-        """A route this replica made: its prefix goes out with the next message."""
-        if hashes:
-            self._outgoing.append((list(workers), list(hashes)))
-            self.changed()
+    def routed(self, workers: tuple[str, ...], hashes: Sequence[int], request: str = "",
+               uncached: int = 0) -> None:
+        """A route this replica made: its prefix and prefill go out with the next message."""
+        self._outgoing.append(((list(workers), list(hashes)), (_ROUTED, request, int(uncached))))
+        self.changed()
 
-    def take_predictions(self) -> list[PeerPrediction]:
-        """The peers' routes received since the last call, oldest first."""
+    def prefill_done(self, request: str) -> None:
+        """The first token of one of this replica's requests: its prefill left the queue."""
+        self._outgoing.append((None, (_DONE, request, 0)))
+        self.changed()
+
+    def ended(self, request: str) -> None:
+        """One of this replica's requests finished."""
+        self._outgoing.append((None, (_ENDED, request, 0)))
+        self.changed()
+
+    def take_predictions(self) -> list[PeerEvent]:
+        """The peers' events received since the last call, oldest first."""
         incoming = self._incoming
-        out: list[PeerPrediction] = []
+        out: list[PeerEvent] = []
         while incoming:
             try:
                 out.append(incoming.popleft())
@@ -371,21 +390,25 @@ class SharedLoad:
     # ------------------------------------------------------------ publishing
 
     def _message(self, kind: int, load: dict[str, tuple[int, int, int]],
-                 routes: list[tuple[list[str], list[int]]]) -> bytes:
+                 routes: list[tuple[list[str], list[int]]], flights: list[tuple[int, str, int]] | None = None) -> bytes:
         self._seq += 1
         return _encoder.encode(_Message(self._config.replica_id, self._boot, self._seq, kind,
-                                        time.time(), load, routes))
+                                        time.time(), load, routes, flights or []))
 
     def sync_now(self) -> bool:
         """Publish this replica's totals and new routes now. False when Redis did not answer."""
         load = {w: (max(0, x.active_requests), max(0, x.pending_prefill_tokens), max(0, x.active_tokens))
                 for w, x in self._local_load().items()}
         routes: list[tuple[list[str], list[int]]] = []
+        flights: list[tuple[int, str, int]] = []
         outgoing = self._outgoing
-        while outgoing and len(routes) < 256:
-            routes.append(outgoing.popleft())
+        while outgoing and len(flights) < 1024:
+            route, flight = outgoing.popleft()
+            if route is not None:
+                routes.append(route)
+            flights.append(flight)
         try:
-            self._transport.publish(self._message(_UPDATE, load, routes))
+            self._transport.publish(self._message(_UPDATE, load, routes, flights))
         except self._errors as err:
             self._pub_ok = False
             self._failed(err)
@@ -487,8 +510,23 @@ class SharedLoad:
         self._lags.append(max(0.0, now_wall - msg.sent_s))
         self._view[msg.replica] = _Peer(msg.boot, msg.seq, self._clock() + self._config.load_ttl_s,
                                         msg.load)
-        for workers, hashes in msg.routes:
-            self._incoming.append(PeerPrediction(tuple(workers), tuple(hashes)))
+        prefix = f"{msg.replica}/{msg.boot:x}/"
+        at = self._clock()  # the router applies each event as of its arrival here
+        routes = iter(msg.routes)
+        if not msg.flights:  # a peer of an older release: predictions only
+            for workers, hashes in routes:
+                self._incoming.append(PeerPrediction(tuple(workers), tuple(hashes), at=at))
+        for kind, request, uncached in msg.flights:
+            key = prefix + request
+            if kind == _ROUTED:
+                route = next(routes, None)
+                if route is not None:
+                    self._incoming.append(
+                        PeerPrediction(tuple(route[0]), tuple(route[1]), key, max(0, uncached), at))
+            elif kind == _DONE:
+                self._incoming.append(PeerPrefillDone(key, at))
+            elif kind == _ENDED:
+                self._incoming.append(PeerEnded(key, at))
         self._predictions_received += len(msg.routes)
         return True
 

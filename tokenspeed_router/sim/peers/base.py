@@ -73,17 +73,17 @@ class PeerBackend:
     needs_events = True
 
     def __init__(self, cluster: ClusterConfig, view: WorkerView) -> None:
-        from tokenspeed_router.router.index import KvIndex
-        from tokenspeed_router.router.ingest import IndexIngestor
+        from tokenspeed_router.router.core import RoutingCore
 
         self._cluster = cluster
         self._view = view
         self._rng = random.Random(cluster.seed)
         self._workers = tuple(cluster.worker_names())
-        self._index = KvIndex()
-        self._ingestor = IndexIngestor(self._index, clock=view.now)
+        # The same index and ingestion rules as ours (router/core.py); the peer's own
+        # policy replaces the router's.
+        self._core = RoutingCore(clock=view.now)
         for name in self._workers:
-            self._ingestor.add_worker(name)
+            self._core.add_worker(name)
         self._loads = {w: PeerLoad() for w in self._workers}
         self._placed: dict[str, tuple[str, int]] = {}  # request id -> (worker, blocks)
         self.block_size = cluster.page_size
@@ -92,7 +92,7 @@ class PeerBackend:
     def route(self, request: TraceRequest, tokens: np.ndarray) -> RouteChoice:
         if self._cluster.disaggregated:
             raise NotImplementedError(f"{self.name}: the peer emulations model aggregated serving only")
-        detail = self._index.match_detail(tokens) if self.needs_events else None
+        detail = self._core.match(tokens) if self.needs_events else None
         scores = dict(detail.scores) if detail is not None else {}
         matched = {w: int(scores.get(w, 0)) for w in self._workers}
         now = self._view.now()
@@ -110,7 +110,7 @@ class PeerBackend:
         return RouteChoice(worker=worker, predicted_hit_tokens=self.predicted_hit(inp, worker))
 
     def deliver(self, worker: str, seq: int, events: list[Event], now: float) -> None:
-        self._ingestor.on_record(worker, seq, KVEventBatch(ts=now, events=events), now)
+        self._core.apply_record(worker, seq, KVEventBatch(ts=now, events=events), now)
 
     def prefill_done(self, request_id: str, now: float) -> None:
         placed = self._placed.get(request_id)
@@ -144,4 +144,4 @@ class PeerBackend:
 
     @property
     def index(self) -> Any:
-        return self._index
+        return self._core.index

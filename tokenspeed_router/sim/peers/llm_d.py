@@ -71,7 +71,7 @@ class LlmdPreciseBackend(PeerBackend):
 
     def choose(self, inp: RouteInput, tokens: np.ndarray) -> str:
         capacity = self._cluster.capacity_tokens
-        usage = {w: self._index.num_blocks(w) * inp.block_size / capacity for w in inp.workers}
+        usage = {w: self.index.num_blocks(w) * inp.block_size / capacity for w in inp.workers}
         scores = llmd_scores(
             inp.workers, inp.matched_blocks, math.ceil(inp.num_tokens / inp.block_size), usage,
             {w: inp.loads[w].waiting() for w in inp.workers},
