@@ -488,9 +488,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="hit ratio a control must lose for the peer's cell to count (default 0.01)")
     parser.add_argument("--groups", type=int, default=None,
                         help="prefix groups per Mooncake slice (default: the slice's, 60)")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="engines and arrivals K x faster (default 1: real time, the headline; "
-                             ">1 is an accelerated extra row, every router still on its defaults)")
+    parser.add_argument("--time-scale", type=_floats, default=[1.0], metavar="K[,K...]",
+                        help="engines and arrivals K x faster (default 1: real time, the headline); "
+                             "more values (e.g. 1,2) add accelerated rows to the same run, every router "
+                             "still on its defaults")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 12 groups (200 shape requests), one run, pressure, fifo, speed 1")
     parser.add_argument("--router-option", action="append", default=[], metavar="KEY=VALUE",
@@ -519,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             kinds.append(kind)
     out: dict[str, Any] = {
-        "config": {"groups": groups, "time_scale": args.time_scale, "runs": runs, "engine_speeds": speeds,
+        "config": {"groups": groups, "time_scales": args.time_scale, "runs": runs, "engine_speeds": speeds,
                    "router_options": args.router_option, "profiles": profiles, "engines": NUM_ENGINES,
                    "prompt_scale": PROMPT_SCALE, "max_output_tokens": MAX_OUTPUT_TOKENS,
                    "router_prior_tokens_per_s": RouterConfig.prefill_tokens_per_s,
@@ -540,13 +541,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         out["traces"][trace_name] = {"source": source, "base_stats": trace_summary(base)}
         for scenario in scenarios:
             for profile in profiles:
-                for speed in speeds:
-                    requests = pace(base, arrival_factor(speed, args.time_scale))
+                for speed, k in [(v, k) for k in args.time_scale for v in speeds]:
+                    requests = pace(base, arrival_factor(speed, k))
                     per_run: dict[str, list[dict[str, Any]]] = {k.name: [] for k in kinds}
                     records: dict[str, list[RequestRecord]] = {}
-                    where = log_root / trace_name / scenario / profile / f"speed{speed:g}"
-                    tag = f"{scenario}/{profile}/{speed:g}x"
-                    common = {"time_scale": args.time_scale, "progress": bar, "python": args.python,
+                    where = log_root / trace_name / scenario / profile / f"speed{speed:g}-k{k:g}"
+                    tag = f"{scenario}/{profile}/{speed:g}x" + ("" if k == 1 else f"/time-scale {k:g}")
+                    common = {"time_scale": k, "progress": bar, "python": args.python,
                               "router_options": args.router_option, "timing": profile, "engine_speed": speed,
                               "peers_venv": args.peers_venv}
                     # runs interleave the routers (run 1 of each, then run 2, ...): slow drift of the
@@ -570,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                       args.control_margin)
                     void = [name for name, c in controls.items() if not c["index_proven"]]
                     cell = {"trace": trace_name, "scenario": scenario, "timing": profile, "engine_speed": speed,
-                            "time_scale": args.time_scale, "requests": len(requests),
+                            "time_scale": k, "requests": len(requests),
                             "routers": cells, "controls": controls, "void": void,
                             "targets_met": check_targets(cells, void)}
                     out["cells"].append(cell)
@@ -586,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     write_results(out, args.out)  # after every cell: a long run killed keeps what it measured
                     write_plots(records, args.out, title=f"{trace_name} / {tag} (last run)",
                                 workers=[f"engine{i}" for i in range(NUM_ENGINES)],
-                                name=f"{trace_name}-{scenario}-{profile}-{speed:g}x.png")
+                                name=f"{trace_name}-{scenario}-{profile}-{speed:g}x-k{k:g}.png")
     out["wall_s"] = time.monotonic() - started
     path = write_results(out, args.out)
     print("\n\n".join(tables))
