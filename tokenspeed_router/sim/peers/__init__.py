@@ -37,8 +37,8 @@ PEER_POLICIES: tuple[str, ...] = tuple(_BACKENDS)
 #: table in docs/compare-routers.md#peer-emulations). Only a ``validated`` one backs a claim.
 PEER_VALIDATION: dict[str, str] = {
     "vllm_kv_aware": "unvalidated: checked live against vllm-router 0.1.17 (benchmarks/peer_parity.py, "
-                     "2026-12-03): shares, hit, p50 and tail within tolerance on synthetic and agentic, but "
-                     "the conversation slice's tail TTFT (p90) was 4.53 s live against 2.52-3.03 s simulated",
+                     "2026-12-03): within tolerance on synthetic, agentic and a repeat of conversation, but "
+                     "one conversation run's tail TTFT (p90) was 4.53 s live against 2.52-3.03 s simulated",
     "sglang_cache_aware": "validated: against sglang-router 0.3.2 live (benchmarks/peer_parity.py, 2026-12-03) "
                           "on conversation, synthetic and agentic: shares, hit, TTFT p50 and tail within tolerance",
     "dynamo": "unvalidated: Dynamo is not installed here; emulated from its source, never run live",
