@@ -74,7 +74,7 @@ IDEAL_LOAD = 0.5
 REQUESTS = 1500
 POLICIES = ("kv_aware", "approx", "least_loaded", "vllm_kv_aware", "sglang_cache_aware", "llmd_precise", "dynamo")
 #: peers whose emulation matched the real router live (docs/compare-routers.md); the others back no claim
-VALIDATED_PEERS = ("vllm_kv_aware", "sglang_cache_aware")
+VALIDATED_PEERS = ("sglang_cache_aware",)
 
 
 @dataclass(frozen=True)

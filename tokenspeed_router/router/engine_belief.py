@@ -87,7 +87,7 @@ class PrefillFit:
     rate and overhead are a prior on each coefficient, not pseudo-samples:
 
     * the **rate**'s prior is worth ``prior_weight`` samples at first and
-      fades by ``prior_fade`` per sample (to 1 % of it), so a prior 4x off is
+      fades by ``prior_fade`` per sample (to 0.1 % of it), so a prior 4x off is
       left within about ten samples of varied length (issue 26: engines
       faster or slower than the router was told must not be routed as if
       they were not; ``tests/unit/test_engine_belief.py`` measures it);
@@ -141,7 +141,7 @@ class PrefillFit:
         # Prior precisions, in samples' worth: a sample at U_REF tokens pins the slope
         # with weight U_REF**2, one at any length pins the intercept with weight 1.
         self._lam_a = prior_weight * self.U_REF * self.U_REF
-        self._lam_a_floor = 0.01 * self._lam_a
+        self._lam_a_floor = 0.001 * self._lam_a
         self._lam_b = overhead_weight
         self._n = self._su = self._suu = self._s = self._sus = 0.0
         self._abs_res = 0.0
