@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install demo test lint bench clean fuzz-smoke fuzz
+.PHONY: install demo test lint bench clean fuzz-smoke fuzz peers
 
 # setup.py builds the compiled index core (csrc/, machine's C compiler): editing it reinstalls.
 $(STAMP): pyproject.toml constraints-dev.txt setup.py $(wildcard csrc/*.c csrc/*.h)
@@ -46,6 +46,19 @@ fuzz: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/tokenspeed-router bench
+
+# The real peer routers for benchmarks/compare_routers.py and benchmarks/peer_parity.py, pinned,
+# in a venv of their own: never the project's (they are not dependencies; docs/compare-routers.md).
+PEERS_VENV ?= .venv-peers
+VLLM_ROUTER_VERSION ?= 0.1.17
+SGLANG_ROUTER_VERSION ?= 0.3.2
+$(PEERS_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet \
+	  "vllm-router==$(VLLM_ROUTER_VERSION)" "sglang-router==$(SGLANG_ROUTER_VERSION)"
+	touch $@
+
+peers: $(PEERS_VENV)/.installed
 
 clean:
 	rm -rf $(VENV) build *.egg-info tokenspeed_router/*.so

@@ -12,8 +12,12 @@ from tokenspeed_router.sim.cluster import ClusterConfig
 from tokenspeed_router.sim.peers import PEER_POLICIES
 from tokenspeed_router.sim.peers.dynamo import dynamo_choice, dynamo_costs
 from tokenspeed_router.sim.peers.llm_d import llmd_choice, llmd_scores
-from tokenspeed_router.sim.peers.sglang import sglang_cache_aware_choice
-from tokenspeed_router.sim.peers.vllm_router import vllm_kv_aware_choice
+from tokenspeed_router.sim.peers.sglang import SglangTree, sglang_cache_aware_choice
+from tokenspeed_router.sim.peers.vllm_router import (
+    vllm_kv_aware_choice,
+    vllm_kv_aware_costs,
+    vllm_new_prefill_tokens,
+)
 from tokenspeed_router.sim.report import policy_metrics
 from tokenspeed_router.sim.runner import run_policy
 from tokenspeed_router.sim.traces import TraceWindow, load_mooncake
@@ -22,22 +26,37 @@ W = ("w0", "w1", "w2", "w3")
 TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake" / "synthetic_trace.jsonl"
 
 
-# --- vllm-router kv_aware ----------------------------------------------------------
+# --- vllm-router 0.1.17 kv_aware ------------------------------------------------------
 
 
-def test_vllm_kv_aware_takes_the_longest_prefix_ignoring_load() -> None:
-    assert vllm_kv_aware_choice(W, {"w1": 3, "w2": 5}, {"w2": 100}) == "w2"
+def test_vllm_new_prefill_never_credits_the_last_token() -> None:
+    assert vllm_new_prefill_tokens(64, 0, 16) == 64
+    assert vllm_new_prefill_tokens(64, 2, 16) == 32
+    # a fully held 64-token prompt is credited 3 blocks: (64 - 1) // 16
+    assert vllm_new_prefill_tokens(64, 4, 16) == 16
+    assert vllm_new_prefill_tokens(65, 9, 16) == 1
+    assert vllm_new_prefill_tokens(0, 0, 16) == 0
 
 
-def test_vllm_kv_aware_ties_go_to_the_last_worker() -> None:
-    # Rust max_by_key keeps the last maximum
-    assert vllm_kv_aware_choice(W, {"w0": 4, "w1": 4, "w3": 4}, {}) == "w3"
-    assert vllm_kv_aware_choice(W, {"w0": 4, "w1": 4, "w2": 4, "w3": 1}, {}) == "w2"
+def test_vllm_cost_is_prefill_work_times_batch_plus_one() -> None:
+    costs = vllm_kv_aware_costs(("w0", "w1"), 160, {"w0": 8}, {"w0": 100}, {"w0": 3}, 16)
+    assert costs == {"w0": ((32 + 100) * 4.0, 132, 3), "w1": (160.0, 160, 0)}
+    # the holder saves 128 tokens but has 3 requests in flight: the idle worker wins
+    assert vllm_kv_aware_choice(("w0", "w1"), costs) == "w1"
+    idle = vllm_kv_aware_costs(("w0", "w1"), 160, {"w0": 8}, {}, {}, 16)
+    assert vllm_kv_aware_choice(("w0", "w1"), idle) == "w0"
 
 
-def test_vllm_kv_aware_falls_back_to_the_first_least_loaded_on_no_hit() -> None:
-    assert vllm_kv_aware_choice(W, {}, {"w0": 2, "w1": 1, "w2": 1, "w3": 3}) == "w1"
-    assert vllm_kv_aware_choice(W, {}, {}) == "w0"
+def test_vllm_ties_go_to_the_first_worker() -> None:
+    costs = vllm_kv_aware_costs(W, 100, {}, {}, {}, 16)
+    assert vllm_kv_aware_choice(W, costs) == "w0"
+    costs = vllm_kv_aware_costs(W, 100, {}, {}, {"w0": 1}, 16)
+    assert vllm_kv_aware_choice(W, costs) == "w1"
+
+
+def test_vllm_zero_cost_only_without_tokens_and_then_least_batch() -> None:
+    costs = vllm_kv_aware_costs(W, 0, {}, {}, {"w0": 2, "w1": 1, "w2": 1}, 16)
+    assert vllm_kv_aware_choice(W, costs, has_tokens=False) == "w3"
 
 
 # --- Dynamo default cost --------------------------------------------------------------
@@ -64,25 +83,42 @@ def test_dynamo_ties_are_drawn_uniformly() -> None:
     assert dynamo_choice(W, {"w0": 2.0, "w1": 1.0, "w2": 3.0, "w3": 1.5}, rng) == "w1"
 
 
-# --- SGLang cache_aware ----------------------------------------------------------------
+# --- sglang-router 0.3.2 cache_aware ---------------------------------------------------
 
 
 def test_sglang_imbalanced_load_goes_to_the_least_loaded() -> None:
     loads = {"w0": 100, "w1": 10, "w2": 30, "w3": 40}  # 100 - 10 > 64 and 100 > 1.5 * 10
-    assert sglang_cache_aware_choice(W, loads, {"w0": 1000}, {}, 1000) == "w1"
+    assert sglang_cache_aware_choice(W, loads, "w0", 1000, 1000) == "w1"
 
 
 def test_sglang_balance_needs_both_thresholds() -> None:
     # 71 - 6 > 64 and 71 > 1.5 * 6: imbalanced; 70 - 6 = 64 is not above; 100 vs 80: only 1.25x
-    assert sglang_cache_aware_choice(("w0", "w1"), {"w0": 71, "w1": 6}, {"w0": 900}, {}, 1000) == "w1"
-    assert sglang_cache_aware_choice(("w0", "w1"), {"w0": 70, "w1": 6}, {"w0": 900}, {}, 1000) == "w0"
-    assert sglang_cache_aware_choice(("w0", "w1"), {"w0": 100, "w1": 80}, {"w0": 900}, {}, 1000) == "w0"
+    assert sglang_cache_aware_choice(("w0", "w1"), {"w0": 71, "w1": 6}, "w0", 900, 1000) == "w1"
+    assert sglang_cache_aware_choice(("w0", "w1"), {"w0": 70, "w1": 6}, "w0", 900, 1000) == "w0"
+    assert sglang_cache_aware_choice(("w0", "w1"), {"w0": 100, "w1": 80}, "w0", 900, 1000) == "w0"
 
 
-def test_sglang_match_rate_threshold_then_smallest_tree() -> None:
-    assert sglang_cache_aware_choice(W, {}, {"w2": 301}, {"w2": 5}, 1000) == "w2"  # rate 0.301 > 0.3
-    sizes = {"w0": 50, "w1": 20, "w2": 5, "w3": 9}
-    assert sglang_cache_aware_choice(W, {}, {"w0": 300}, sizes, 1000) == "w2"  # 0.3 is not above
+def test_sglang_match_rate_threshold_then_least_loaded() -> None:
+    loads = {"w0": 5, "w1": 2, "w2": 7, "w3": 2}
+    assert sglang_cache_aware_choice(W, loads, "w2", 301, 1000) == "w2"  # rate 0.301 > 0.3
+    assert sglang_cache_aware_choice(W, loads, "w2", 300, 1000) == "w1"  # 0.3 is not above: first least loaded
+
+
+def test_sglang_tree_match_goes_to_the_node_creator() -> None:
+    tree = SglangTree()
+    tree.insert("1 2 3 4 5", "w0")
+    tree.insert("1 2 3 4 5 6 7", "w1")  # passes through w0's node, creates the leaf " 6 7"
+    # characters, not tokens: the space after "5" already matches into w1's leaf
+    assert tree.prefix_match("1 2 3 4 5 9") == ("w1", 10)
+    assert tree.prefix_match("1 2 3 4 5") == ("w0", 9)
+    assert tree.prefix_match("1 2 3 4 5 6 7 8") == ("w1", 13)
+    # a partial match inside a node ends there and counts its characters
+    assert tree.prefix_match("1 2 3 9") == ("w0", 6)
+    tree.insert("1 2 8", "w2")  # splits w0's node at "1 2 ": the upper part keeps w0 as last tenant
+    assert tree.prefix_match("1 2 7") == ("w0", 4)
+    assert tree.prefix_match("1 2 8 0") == ("w2", 5)
+    assert tree.prefix_match("9")[1] == 0
+    assert tree.chars == {"w0": 9, "w1": 9 + 4, "w2": 4 + 1}
 
 
 # --- llm-d precise prefix + kv utilisation + queue ------------------------------------

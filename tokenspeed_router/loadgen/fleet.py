@@ -1,7 +1,8 @@
 """Child processes for end-to-end runs: engine-sims, ``serve`` gateways, any router.
 
-Used by ``demo``, ``benchmarks/compare_routers.py`` and the integration tests,
-so that all three start, wait for and stop processes the same way:
+Used by ``demo``, ``benchmarks/compare_routers.py``, ``benchmarks/peer_parity.py``
+and the integration tests, so that all of them start, wait for and stop
+processes the same way:
 
 * every process logs to its own file in ``log_dir`` (read it when a run
   looks wrong; the tail is quoted in the error when a process dies early);
@@ -20,6 +21,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,7 +45,11 @@ __all__ = [
     "EngineSimOptions",
     "Fleet",
     "ManagedProcess",
+    "PEER_BINARIES",
+    "PeerRouter",
     "clock_scaled_router_flags",
+    "default_peers_venv",
+    "peer_binary",
     "stop_process",
 ]
 
@@ -237,6 +243,75 @@ def clock_scaled_router_flags(time_scale: float, *,
             "--router-option", f"prefill_tokens_per_s={prefill_tokens_per_s * k:g}"]
 
 
+#: the real peer routers this project compares with: name -> (binary, the pinned PyPI release)
+PEER_BINARIES: dict[str, tuple[str, str]] = {
+    "vllm-router": ("vllm-router", "vllm-router==0.1.17"),
+    "sglang-router": ("smg", "sglang-router==0.3.2"),
+}
+
+
+def default_peers_venv() -> Path:
+    """``.venv-peers`` of the checkout (``make peers``), where the peer routers live."""
+    return Path(__file__).resolve().parents[2] / ".venv-peers"
+
+
+def peer_binary(peer: str, peers_venv: Path | None = None) -> str | None:
+    """The peer router's executable: in ``peers_venv``/bin (default :func:`default_peers_venv`), else on PATH.
+
+    Never the project's own venv: the peers are not its dependencies and are
+    kept out of it (``make peers`` installs them in a venv of their own).
+    """
+    binary = PEER_BINARIES[peer][0]
+    venv = default_peers_venv() if peers_venv is None else peers_venv
+    local = venv / "bin" / binary
+    return str(local) if local.exists() else shutil.which(binary)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerRouter:
+    """How to start one real peer router in front of engine-sims, with its defaults.
+
+    ``index_off``: the control run that proves the peer's index is what its
+    hit ratio comes from. vllm-router: its KV event sources point at ports
+    nothing listens on (dead event ports), so its index never hears an
+    event. sglang-router has no event port (its tree is its own routing
+    history): ``--cache-threshold 1``, which no match rate is above, so it
+    routes by load only.
+    """
+
+    peer: str
+    binary: str
+    model: str = "tokenspeed-sim"
+    block_size: int = 16
+    index_off: bool = False
+
+    @property
+    def prompt_format(self) -> str:
+        """sglang-router's cache_aware matches the prompt *text* (loadgen's ``text`` format)."""
+        return "text" if self.peer == "sglang-router" else "tokens"
+
+    def command(self, port: int, engines: Sequence[EngineHandle]) -> list[str]:
+        urls = [e.url for e in engines]
+        # the peers' metrics exporters have fixed default ports: two replicas (or another
+        # user of the machine) would collide, so each gets a free one
+        metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_tcp_port())]
+        if self.peer == "vllm-router":
+            cmd = [self.binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+                   "--policy", "kv_aware", "--kv-event-block-size", str(self.block_size),
+                   "--kv-event-model", self.model, "--log-level", "warning", *metrics]
+            for e in engines:
+                events = f"tcp://127.0.0.1:{free_tcp_port()}" if self.index_off else e.events
+                cmd += ["--kv-event-source", f"{e.url}={events}"]
+                if e.replay and not self.index_off:
+                    cmd += ["--kv-event-replay-source", f"{e.url}={e.replay}"]
+            return cmd
+        if self.peer == "sglang-router":
+            cmd = [self.binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+                   "--policy", "cache_aware", "--log-level", "warn", *metrics]
+            return cmd + (["--cache-threshold", "1"] if self.index_off else [])
+        raise ValueError(f"unknown peer router {self.peer!r} (known: {', '.join(PEER_BINARIES)})")
+
+
 @dataclass(frozen=True)
 class EngineHandle:
     """A running engine-sim: its name, OpenAI URL and event endpoints (rank 0)."""
@@ -311,6 +386,14 @@ class Fleet:
             cmd += ["--worker", e.worker_spec()]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENSPEED_ROUTER_")}
         proc = self.start(name, [*cmd, *extra], env=env)
+        url = f"http://127.0.0.1:{port}"
+        self.wait_models(proc, url)
+        return url
+
+    def start_peer(self, name: str, peer: PeerRouter, engines: Sequence[EngineHandle]) -> str:
+        """A real peer router (:class:`PeerRouter`) in front of ``engines``; its base URL once it serves."""
+        port = free_tcp_port()
+        proc = self.start(name, peer.command(port, engines))
         url = f"http://127.0.0.1:{port}"
         self.wait_models(proc, url)
         return url

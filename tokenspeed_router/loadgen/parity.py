@@ -56,12 +56,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tokenspeed_router.loadgen.fleet import EngineSimOptions, Fleet, clock_scaled_router_flags
+from tokenspeed_router.loadgen.fleet import (
+    EngineSimOptions,
+    Fleet,
+    PeerRouter,
+    clock_scaled_router_flags,
+)
 from tokenspeed_router.loadgen.prompts import PromptBuilder, PromptConfig
 from tokenspeed_router.loadgen.replay import ReplayConfig, replay
 from tokenspeed_router.percentiles import percentile
 from tokenspeed_router.sim.cluster import ClusterConfig, CostModel, Simulator
-from tokenspeed_router.sim.policies import RouterBackend
+from tokenspeed_router.sim.policies import make_backend
 from tokenspeed_router.sim.traces import TraceRequest
 from tokenspeed_router.timing import Profile, TimingModel
 
@@ -91,6 +96,9 @@ class ParitySetup:
     first_token_lag_wall_s: float = 0.002
     policy: str = "kv_aware"
     router_options: tuple[tuple[str, Any], ...] = ()
+    #: live side: this real peer router instead of the ``serve`` gateway, and ``policy`` is its
+    #: emulation in ``sim/peers`` (benchmarks/peer_parity.py); None: our gateway
+    peer: PeerRouter | None = None
     #: warm-up requests both sides replay before the slice (modelled seconds apart)
     warm_up_requests: int = 12
     warm_up_gap_s: float = 0.5
@@ -212,8 +220,8 @@ def simulate_side(requests: Sequence[TraceRequest], setup: ParitySetup) -> SideR
     )
     sim = Simulator(cluster)
     options: dict[str, Any] = {**setup.router_prior(), **dict(setup.router_options)}
-    backend = RouterBackend(setup.policy, cluster, sim, router_options=options,
-                            signal_prefill_done=True)
+    # a peer emulation (setup.peer) ignores router options: the peers run with their defaults
+    backend = make_backend(setup.policy, cluster, sim, router_options=options, signal_prefill_done=True)
     replayed = warm_up_requests(requests, setup)
     run = sim.run(replayed, backend)
     names = run.worker_names
@@ -254,7 +262,7 @@ def simulate_spread(requests: Sequence[TraceRequest], setup: ParitySetup) -> lis
 
 def live_side(requests: Sequence[TraceRequest], setup: ParitySetup, log_dir: Path, *,
               python: str | None = None, startup_timeout_s: float = 120.0) -> SideResult:
-    """The slice through engine-sims and a ``serve`` gateway, in real time (scaled)."""
+    """The slice through engine-sims and a ``serve`` gateway (or ``setup.peer``), in real time (scaled)."""
     k = setup.time_scale
     overhead_ms = None if setup.prefill_overhead_s is None else setup.prefill_overhead_s * 1000.0
     engine = EngineSimOptions(block_size=setup.block_size, capacity_tokens=setup.capacity_tokens,
@@ -269,10 +277,14 @@ def live_side(requests: Sequence[TraceRequest], setup: ParitySetup, log_dir: Pat
         extra += ["--router-option", f"{key}={value}"]
     replayed = warm_up_requests(requests, setup)
     paced = [replace(r, arrival_s=r.arrival_s / k) for r in replayed]
-    builder = PromptBuilder(PromptConfig(model=MODEL, max_output_tokens=setup.max_output_tokens))
+    builder = PromptBuilder(PromptConfig(model=MODEL, max_output_tokens=setup.max_output_tokens,
+                                         prompt_format=setup.peer.prompt_format if setup.peer else "tokens"))
     with Fleet(log_dir, **fleet_kw) as fleet:
         engines = fleet.start_engines(setup.worker_names(), [engine] * setup.num_workers)
-        url = fleet.start_gateway("gateway", engines, policy=setup.policy, extra=extra)
+        if setup.peer is not None:
+            url = fleet.start_peer(setup.peer.peer, setup.peer, engines)
+        else:
+            url = fleet.start_gateway("gateway", engines, policy=setup.policy, extra=extra)
         outcome = replay(paced, builder, ReplayConfig(target=url))
     records = outcome.records
     warm = len(replayed) - len(requests)

@@ -88,6 +88,11 @@ class RouterConfig:
     #: One of :class:`Policy` (a plain string such as ``"round_robin"`` works).
     policy: Policy | str = Policy.KV_AWARE
     prefill_weight: float = 2.5
+    #: A hot prefix (one at least two engines hold) that a candidate lacks is priced at
+    #: its recompute time (weight 1), not at ``prefill_weight``: when its holders queue
+    #: longer than recomputing it elsewhere costs, it goes to one more engine
+    #: (docs/routing.md, "Hot prefixes"). False: every uncached token at ``prefill_weight``.
+    replicate_hot_prefixes: bool = True
     queue_weight: float = 1.0
     decode_weight: float = 0.05
     request_weight: float = 0.0
@@ -157,8 +162,9 @@ class RouterConfig:
         _finite_nonneg("survival_band", self.survival_band)
         if self.survival_band >= 1.0:
             raise ConfigError(f"survival_band must be in [0, 1), got {self.survival_band!r}")
-        if not isinstance(self.fit_prefill, bool):
-            raise ConfigError(f"fit_prefill must be a bool, got {self.fit_prefill!r}")
+        for name in ("fit_prefill", "replicate_hot_prefixes"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in (
             "local_prefill_threshold_tokens",
             "engine_capacity_tokens",

@@ -11,12 +11,19 @@ candidate costs, so a change to the model is a change to this file and to
 ``engine_belief.py``.
 
     cost(w) = queue_weight * queue_s(w) + overhead(w)
-            + (prefill_weight * uncached(w) + decode_weight * active_tokens(w)
-               + request_weight * active_requests(w)) / rate(w)
+            + (prefill_weight * (uncached(w) - replica(w)) + replica(w)
+               + decode_weight * active_tokens(w) + request_weight * active_requests(w)) / rate(w)
 
-``queue_s``: the engine's queue clock (other replicas' queued prefill added
-at ``rate``); ``uncached``: the prompt minus the credited prefix, the credit
-first trimmed to the blocks expected to survive until the prefill starts.
+``queue_s``: the engine's queue clock (every replica's prefills on it);
+``uncached``: the prompt minus the credited prefix, the credit first trimmed
+to the blocks expected to survive until the prefill starts; ``replica``: the
+part of a *hot* prefix (one at least two engines hold) this engine lacks,
+priced at its recompute time alone. Own work weighs ``prefill_weight``
+(recomputing what another engine holds also costs later requests and cache
+room), but a hot prefix is worth one more copy as soon as its holders queue
+longer than recomputing it costs: the rule that keeps sessions from piling
+onto the holders of a shared system prompt (issue 26; docs/routing.md, "Hot
+prefixes").
 Ties (within a relative 1e-9) go to the fewest requests in flight, then to
 the rendezvous hash of the prompt's first uncached block, so replicas and
 siblings agree.
@@ -188,6 +195,7 @@ class CostModel:
         w = self._weights
         pw, qw, dw, rw = w.prefill_weight, w.queue_weight, w.decode_weight, w.request_weight
         provider = self._load_provider
+        hot = self._hot_tokens(known) if self._config.replicate_hot_prefixes else 0.0
         get_known = known.get
         costs: dict[str, float] = {}
         terms: list[CostTerms] | None = [] if trace is not None else None
@@ -218,7 +226,12 @@ class CostModel:
             if peer is not None:
                 active += peer.active_tokens
                 requests += peer.active_requests
-            cost = qw * queue_s + overhead + (pw * uncached + dw * active + rw * requests) / rate
+            own = pw * uncached
+            if hot and pw > 1.0:
+                # the part of a hot prefix this engine lacks costs its recompute, once (a new replica)
+                replica = min(uncached, max(hot - (k.credit_tokens if k is not None else 0.0), 0.0))
+                own -= (pw - 1.0) * replica
+            cost = qw * queue_s + overhead + (own + dw * active + rw * requests) / rate
             costs[name] = cost
             if cost < best:
                 best = cost
@@ -237,6 +250,24 @@ class CostModel:
         if trace is not None and terms is not None:
             trace.append((terms, choice, frozenset(tied), sampled))
         return choice
+
+    @staticmethod
+    def _hot_tokens(known: Mapping[str, PrefixCredit]) -> float:
+        """How deep into the prompt a *hot* prefix reaches: the credit at least two engines share.
+
+        The second-deepest credit among the candidates: every engine up to it
+        holds the prompt's blocks up to there too (credits are leading
+        prefixes), so it is a prefix cached twice or more -- shared, not one
+        session's own.
+        """
+        first = second = 0.0
+        for k in known.values():
+            c = k.credit_tokens
+            if c > first:
+                first, second = c, first
+            elif c > second:
+                second = c
+        return second
 
     def _tie_break(
         self,

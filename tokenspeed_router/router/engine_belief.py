@@ -80,24 +80,39 @@ def rendezvous_pick(key: int, names: Sequence[str], name_keys: dict[str, int]) -
 
 
 class PrefillFit:
-    """``service_s ≈ overhead + tokens / rate``, fitted online and robustly.
+    """``service_s ≈ overhead + tokens / rate``, fitted online, leaving a wrong prior fast.
 
-    Weighted least squares over exponentially forgotten sums (``forget`` per
-    sample: the fit follows an engine whose speed changes), plus a
-    prior worth ``prior_weight`` samples at the configured rate and overhead
-    (so a handful of samples cannot swing it, and it starts there). Each
-    sample's weight is Huber's (1 within 2.5 mean absolute residuals of the
-    current fit, less beyond) and 0 past six (one stalled prefill is not a
-    slow engine).
-    The estimates are clamped to [rate0 / 20, rate0 * 20] and [0, 10 * overhead0 + 0.5 s].
+    A ridge regression over exponentially forgotten sums (``forget`` per
+    sample: the fit follows an engine whose speed changes). The configured
+    rate and overhead are a prior on each coefficient, not pseudo-samples:
+
+    * the **rate**'s prior is worth ``prior_weight`` samples at first and
+      fades by ``prior_fade`` per sample (to 0.1 % of it), so a prior 4x off is
+      left within about ten samples of varied length (issue 26: engines
+      faster or slower than the router was told must not be routed as if
+      they were not; ``tests/unit/test_engine_belief.py`` measures it);
+    * the **overhead**'s prior keeps ``overhead_weight`` samples' worth: a
+      per-prefill overhead is small and alike across engines, so while every
+      sample has the same length (a warm-up of one prompt) the data move the
+      rate, not an overhead the samples cannot tell from it.
+
+    Each sample's weight is Huber's against a residual scale learnt from the
+    data (1 within 2.5 scales, less beyond, 0 past six: one stalled prefill
+    is not a slow engine); the first ``warmup`` samples only learn the scale,
+    so a wrong prior cannot make every real sample look like an outlier. The
+    estimates are clamped to [rate0 / 20, rate0 * 20] and
+    [0, 10 * overhead0 + 0.5 s].
     """
 
     __slots__ = (
         "_abs_res",
+        "_lam_a",
+        "_lam_a_floor",
+        "_lam_b",
         "_n",
         "_overhead",
         "_overhead0",
-        "_prior",
+        "_prior_fade",
         "_rate",
         "_rate0",
         "_s",
@@ -108,23 +123,28 @@ class PrefillFit:
         "samples",
     )
 
-    def __init__(self, rate0: float, overhead0: float, *, forget: float = 0.995, prior_weight: float = 8.0) -> None:
-        if not (rate0 > 0 and overhead0 >= 0 and 0 < forget <= 1 and prior_weight > 0):
-            raise ValueError("PrefillFit needs rate0 > 0, overhead0 >= 0, forget in (0, 1], prior_weight > 0")
+    #: samples that only learn the residual scale (every one counts fully)
+    WARMUP = 5
+    #: tokens of the typical prompt the rate's prior is expressed at
+    U_REF = 4096.0
+
+    def __init__(self, rate0: float, overhead0: float, *, forget: float = 0.995, prior_weight: float = 4.0,
+                 prior_fade: float = 0.7, overhead_weight: float = 2.0) -> None:
+        if not (rate0 > 0 and overhead0 >= 0 and 0 < forget <= 1 and prior_weight > 0
+                and 0 < prior_fade <= 1 and overhead_weight > 0):
+            raise ValueError("PrefillFit needs rate0 > 0, overhead0 >= 0, forget and prior_fade in (0, 1], "
+                             "positive prior weights")
         self._rate0 = self._rate = float(rate0)
         self._overhead0 = self._overhead = float(overhead0)
         self.forget = forget
-        self._prior = prior_weight
-        # The prior is pseudo-samples in the sums: half at 0 tokens, half at a typical
-        # prompt (4k tokens); forgotten like data, so real samples take over.
-        p, u_ref = prior_weight / 2, 4096.0
-        o0, a0 = overhead0, 1.0 / rate0
-        self._n = 2 * p
-        self._su = p * u_ref
-        self._suu = p * u_ref * u_ref
-        self._s = p * o0 + p * (o0 + a0 * u_ref)
-        self._sus = p * u_ref * (o0 + a0 * u_ref)
-        self._abs_res = overhead0 + 1000.0 / rate0  # residual scale until samples say otherwise
+        self._prior_fade = prior_fade
+        # Prior precisions, in samples' worth: a sample at U_REF tokens pins the slope
+        # with weight U_REF**2, one at any length pins the intercept with weight 1.
+        self._lam_a = prior_weight * self.U_REF * self.U_REF
+        self._lam_a_floor = 0.001 * self._lam_a
+        self._lam_b = overhead_weight
+        self._n = self._su = self._suu = self._s = self._sus = 0.0
+        self._abs_res = 0.0
         self.samples = 0
 
     @property
@@ -146,31 +166,37 @@ class PrefillFit:
             return
         residual = abs(service_s - self.predict(tokens))
         scale = self._abs_res
-        if residual <= 2.5 * scale:
-            weight = 1.0
-        elif residual <= 6.0 * scale or self.samples < 10:
-            weight = 2.5 * scale / residual
+        weight = 1.0
+        if self.samples >= self.WARMUP and residual > 2.5 * scale:
+            weight = 2.5 * scale / residual if residual <= 6.0 * scale else 0.0
+        if self.samples < self.WARMUP:
+            self._abs_res = max(self._abs_res, 0.0) + (residual - self._abs_res) / (self.samples + 1)
         else:
-            weight = 0.0  # far outside: a stall, a retry, a lost first-token signal
-        self._abs_res = 0.95 * self._abs_res + 0.05 * min(residual, 3.0 * scale)
+            self._abs_res = 0.95 * scale + 0.05 * min(residual, 3.0 * scale)
         f = self.forget
         self._n = f * self._n + weight
         self._su = f * self._su + weight * tokens
         self._suu = f * self._suu + weight * tokens * tokens
         self._s = f * self._s + weight * service_s
         self._sus = f * self._sus + weight * tokens * service_s
+        self._lam_a = max(self._lam_a * self._prior_fade, self._lam_a_floor)
         self.samples += 1
         self._solve()
 
     def _solve(self) -> None:
-        a0 = 1.0 / self._rate0
-        n, su, suu, s, sus = self._n, self._su, self._suu, self._s, self._sus
-        det = n * suu - su * su
+        """Ridge solution of [[n + λb, Σu], [Σu, Σu² + λa]] (b, a) = (Σs + λb·b0, Σus + λa·a0)."""
+        a0, b0 = 1.0 / self._rate0, self._overhead0
+        m11 = self._n + self._lam_b
+        m12 = self._su
+        m22 = self._suu + self._lam_a
+        r1 = self._s + self._lam_b * b0
+        r2 = self._sus + self._lam_a * a0
+        det = m11 * m22 - m12 * m12
         if det <= 0:
             return
-        a = (n * sus - su * s) / det
+        b = (r1 * m22 - m12 * r2) / det
+        a = (m11 * r2 - m12 * r1) / det
         a = min(max(a, a0 / 20), a0 * 20)
-        b = (s - a * su) / n
         self._rate = 1.0 / a
         self._overhead = min(max(b, 0.0), 10 * self._overhead0 + 0.5)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.sim.cluster import ClusterConfig, CostModel
+from tokenspeed_router.sim.peers import PEER_VALIDATION, validation_label
 from tokenspeed_router.sim.policies import KNOWN_POLICIES
 from tokenspeed_router.sim.report import (
     POLICY_ORDER,
@@ -323,9 +324,12 @@ def run(args: argparse.Namespace) -> int:
         "replica_sharing": args.replica_sharing if args.replicas > 1 else None,
         "interrupted": interrupted,
     }
+    # a peer emulation that was not checked live against the real peer backs no claim: say so
+    config["peer_validation"] = {n: PEER_VALIDATION[n] for n in runs if n in PEER_VALIDATION}
     doc = results_document(trace=trace_name, workers=cluster.num_workers, runs=runs,
                            config=config, trace_stats=stats, sweeps=sweeps or None)
-    print(format_table(doc))
+    labels = {n: validation_label(n) for n in runs if validation_label(n)}
+    print(format_table(doc, modes=labels or None))
     for name, rows in sweeps.items():
         print(f"\nsweep {name} (kv_aware):")
         for row in rows:

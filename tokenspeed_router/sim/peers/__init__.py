@@ -1,7 +1,7 @@
 """Emulations of other routers' policies, for ``simulate`` policy contests.
 
-Each peer is rebuilt from its published source (file and revision in each
-module's docstring, and in docs/simulation.md): a pure choice function over
+Each peer is rebuilt from its source (file and release in each module's
+docstring; docs/compare-routers.md#peer-emulations): a pure choice function over
 the inputs the peer reads (unit-tested on hand-made states) and a
 :class:`~tokenspeed_router.sim.peers.base.PeerBackend` that feeds it from the
 simulator's real event path. Names, as ``simulate --policies`` takes them:
@@ -21,7 +21,7 @@ from tokenspeed_router.sim.peers.llm_d import LlmdPreciseBackend
 from tokenspeed_router.sim.peers.sglang import SglangCacheAwareBackend
 from tokenspeed_router.sim.peers.vllm_router import VllmKvAwareBackend
 
-__all__ = ["PEER_POLICIES", "PeerBackend", "make_peer_backend"]
+__all__ = ["PEER_POLICIES", "PEER_VALIDATION", "PeerBackend", "make_peer_backend", "validation_label"]
 
 _BACKENDS: dict[str, type[PeerBackend]] = {
     "vllm_kv_aware": VllmKvAwareBackend,
@@ -32,6 +32,24 @@ _BACKENDS: dict[str, type[PeerBackend]] = {
 
 #: ``simulate --policies`` names of the peer emulations
 PEER_POLICIES: tuple[str, ...] = tuple(_BACKENDS)
+
+#: Whether each emulation was checked live against the real peer (benchmarks/peer_parity.py, the
+#: table in docs/compare-routers.md#peer-emulations). Only a ``validated`` one backs a claim.
+PEER_VALIDATION: dict[str, str] = {
+    "vllm_kv_aware": "unvalidated: checked live against vllm-router 0.1.17 (benchmarks/peer_parity.py, "
+                     "2026-12-03): within tolerance on synthetic, agentic and a repeat of conversation, but "
+                     "one conversation run's tail TTFT (p90) was 4.53 s live against 2.52-3.03 s simulated",
+    "sglang_cache_aware": "validated: against sglang-router 0.3.2 live (benchmarks/peer_parity.py, 2026-12-03) "
+                          "on conversation, synthetic and agentic: shares, hit, TTFT p50 and tail within tolerance",
+    "dynamo": "unvalidated: Dynamo is not installed here; emulated from its source, never run live",
+    "llmd_precise": "unvalidated: llm-d is not installed here; emulated from its source, never run live",
+}
+
+
+def validation_label(policy: str) -> str:
+    """``validated`` or ``unvalidated`` for a peer emulation, ``""`` for any other policy."""
+    status = PEER_VALIDATION.get(policy)
+    return "" if status is None else status.split(":", 1)[0]
 
 
 def make_peer_backend(name: str, cluster: ClusterConfig, view: WorkerView) -> PeerBackend:

@@ -100,7 +100,7 @@ class PeerBackend:
         worker = self.choose(inp, tokens)
         self.after_route(inp, tokens, worker)
         bs = self.block_size
-        uncached = max(len(tokens) - matched.get(worker, 0) * bs, 0)
+        uncached = self.prefill_tokens(inp, worker)
         load = self._loads[worker]
         blocks = math.ceil(len(tokens) / bs)
         load.requests += 1
@@ -129,6 +129,10 @@ class PeerBackend:
     # --- what a peer module provides ------------------------------------------
     def choose(self, inp: RouteInput, tokens: np.ndarray) -> str:
         raise NotImplementedError
+
+    def prefill_tokens(self, inp: RouteInput, worker: str) -> int:
+        """The prompt tokens the peer counts as ``worker``'s new prefill work (default: past the match)."""
+        return max(inp.num_tokens - inp.matched_blocks.get(worker, 0) * inp.block_size, 0)
 
     def after_route(self, inp: RouteInput, tokens: np.ndarray, worker: str) -> None:
         """Update the peer's own memory of what it routed (default: none)."""

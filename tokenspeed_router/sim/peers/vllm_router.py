@@ -1,25 +1,44 @@
-"""vllm-router ``kv_aware``, emulated from its source.
+"""vllm-router ``kv_aware``, emulated from the source of the release it is compared with.
 
-Source: github.com/vllm-project/router, ``src/policies/kv_aware.rs`` (the
-revision at commit 71af994, the policy of vllm-router 0.1.17 on PyPI), with
-``src/kv_index/scorer.rs``/``index.rs`` for the index it queries.
+Reference: vllm-router **0.1.17** from PyPI, its sdist's Rust source
+(``pip download vllm-router==0.1.17 --no-binary :all: --no-deps``):
+``src/policies/kv_aware.rs`` (``MultiplicativeScorer``, ``TemperaturePicker``,
+``KvAwarePolicy::pick_among``, ``credited_tokens``, ``InMemorySlotManager``),
+``src/routers/http/router.rs`` (``LoadTrackedBody``: when a request's prefill
+stops counting) and ``src/main.rs`` (CLI defaults). docs/compare-routers.md
+has the full reading. A GitHub revision is not the reference: the policy was
+rewritten between them (an earlier revision scored the longest prefix only,
+with load as a fallback at score 0; 0.1.17 is a cost model).
 
-* score(w) = leading contiguous blocks of the prompt that ``w`` holds in the
-  event-fed index, speculative entries included;
-* the healthy worker with the highest score wins; Rust's ``max_by_key``
-  returns the *last* maximum, so ties go to the last worker in order;
-* only when the best score is 0: the smallest ``Worker::load()`` (requests in
-  flight), ``min_by_key`` returning the first minimum; a prompt shorter than
-  one block goes there too;
-* speculative indexing (on by default, TTL 2 s): after the choice, the blocks
-  past the best score are written into the index for the chosen worker, so
-  requests arriving before its ``BlockStored`` see them.
+For a prompt of ``n`` tokens and block size ``bs`` (``--kv-event-block-size``, 16)::
 
-No load term, no threshold. Emulation detail: speculative entries live in a
-side table keyed by the prompt's own chained block hashes (the index's
-hashes are the engine's); they expire after the TTL. The source also deletes
-them on a matching ``BlockRemoved``; with a 2 s TTL that difference is at
-most 2 s of credit for a block evicted right after it was written.
+    credited(w)  = min(device_prefix_blocks(w), (n - 1) // bs) * bs        # capped at n - 1
+    new(w)       = n - credited(w)                                        # >= 1: the last token
+    cost(w)      = (new(w) + active_prefill_tokens(w)) * (active_requests(w) + 1)
+
+* ``device_prefix_blocks``: leading blocks of the prompt the event-fed radix
+  index says ``w`` holds on the GPU (host/external/disk continuations get
+  credit 0.8/0.6/0.3; engine-sim publishes GPU blocks only);
+* ``active_prefill_tokens``: the ``new`` tokens of requests routed to ``w``
+  whose response has not yet sent its first body frame (for a streaming
+  completion: the first token), router-side (``InMemorySlotManager``);
+* ``active_requests``: requests routed to ``w`` and not finished
+  (``max(slot count, Worker::load())``).
+
+``--router-temperature`` defaults to 0: the argmin, the *first* minimum in the
+worker order on a tie (``Iterator::min_by`` with ``total_cmp``). A cost of 0
+(only a prompt without tokens) picks among the zero-cost workers by
+(``ptoken``, ``active_requests``). Session affinity is off unless
+``--kv-aware-session-affinity-ttl-secs`` is given. No speculative index
+entries, no TTL: credit comes only from KV events (``BlockStored``,
+``BlockRemoved``, ``AllBlocksCleared``; a seq gap replays from the replay
+endpoint or drops the worker's entries; a seq going back is a restart and
+drops them too), which the emulation's ``KvIndex``/``IndexIngestor`` path
+does alike.
+
+The multiplication is what balances it: a holder with ``k`` requests in
+flight costs ``k + 1`` times its prefill work, so a hot shared prefix
+spreads over the fleet once its holder is busy.
 """
 
 from __future__ import annotations
@@ -28,76 +47,65 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from tokenspeed_router.hashing import block_hashes
 from tokenspeed_router.sim.peers.base import PeerBackend, RouteInput
 
-__all__ = ["SPECULATIVE_TTL_S", "VllmKvAwareBackend", "vllm_kv_aware_choice"]
-
-#: ``KvAwareConfig::default().speculative_ttl``
-SPECULATIVE_TTL_S = 2.0
+__all__ = ["VllmKvAwareBackend", "vllm_kv_aware_choice", "vllm_kv_aware_costs", "vllm_new_prefill_tokens"]
 
 
-def vllm_kv_aware_choice(
-    workers: Sequence[str], scores: Mapping[str, int], loads: Mapping[str, int]
-) -> str:
-    """The worker ``kv_aware.rs`` picks: last max score, else the first least loaded."""
-    best = workers[0]
-    best_score = -1
-    for w in workers:  # max_by_key: a later equal element replaces the earlier one
-        s = scores.get(w, 0)
-        if s >= best_score:
-            best, best_score = w, s
-    if best_score > 0:
-        return best
-    chosen = workers[0]
-    for w in workers:  # min_by_key: the first minimum stays
-        if loads.get(w, 0) < loads.get(chosen, 0):
-            chosen = w
-    return chosen
+def vllm_new_prefill_tokens(num_tokens: int, device_blocks: int, block_size: int) -> int:
+    """``request_prefill_tokens``: the prompt minus its credited prefix (the last token never credited)."""
+    if num_tokens <= 0:
+        return 0
+    credited = min(device_blocks, (num_tokens - 1) // block_size) * block_size
+    return num_tokens - min(credited, num_tokens - 1)
+
+
+def vllm_kv_aware_costs(
+    workers: Sequence[str],
+    num_tokens: int,
+    device_blocks: Mapping[str, int],
+    active_prefill_tokens: Mapping[str, int],
+    active_requests: Mapping[str, int],
+    block_size: int,
+) -> dict[str, tuple[float, int, int]]:
+    """Per worker: (``MultiplicativeScorer``'s cost, ``ptoken``, ``batchsize``)."""
+    out: dict[str, tuple[float, int, int]] = {}
+    for w in workers:
+        ptoken = vllm_new_prefill_tokens(num_tokens, device_blocks.get(w, 0), block_size) \
+            + active_prefill_tokens.get(w, 0)
+        batch = active_requests.get(w, 0)
+        out[w] = (float(ptoken * (batch + 1)), ptoken, batch)
+    return out
+
+
+def vllm_kv_aware_choice(workers: Sequence[str], costs: Mapping[str, tuple[float, int, int]],
+                         has_tokens: bool = True) -> str:
+    """``pick_among`` at temperature 0: the first minimum cost; zero costs by (ptoken, batchsize)."""
+    zero = [w for w in workers if costs[w][0] == 0.0]
+    if zero:
+        return min(zero, key=lambda w: (costs[w][1] if has_tokens else 0, costs[w][2]))  # first minimum
+    return min(workers, key=lambda w: costs[w][0])  # min() keeps the first of equal keys, as min_by
 
 
 class VllmKvAwareBackend(PeerBackend):
-    """``--policy vllm_kv_aware``."""
+    """``--policy vllm_kv_aware``: vllm-router 0.1.17 ``--policy kv_aware`` with its defaults."""
 
     name = "vllm_kv_aware"
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        #: per worker: chained hash of a speculative block -> expiry (virtual seconds)
-        self._speculative: dict[str, dict[int, float]] = {w: {} for w in self._workers}
-        self._hashes: list[int] = []
-        self._scores: dict[str, int] = {}
-
-    def _score(self, inp: RouteInput, tokens: np.ndarray) -> dict[str, int]:
-        hashes = self._hashes = [int(h) for h in block_hashes(tokens, inp.block_size)]
-        out: dict[str, int] = {}
-        for w in inp.workers:
-            n = inp.matched_blocks.get(w, 0)
-            spec = self._speculative[w]
-            while n < len(hashes) and spec.get(hashes[n], -1.0) > inp.now:
-                n += 1
-            out[w] = n
-        return out
+        self._costs: dict[str, tuple[float, int, int]] = {}
 
     def choose(self, inp: RouteInput, tokens: np.ndarray) -> str:
-        if inp.num_tokens < inp.block_size:
-            loads = {w: inp.loads[w].requests for w in inp.workers}
-            self._hashes, self._scores = [], {}
-            return vllm_kv_aware_choice(inp.workers, {}, loads)
-        self._scores = scores = self._score(inp, tokens)
-        return vllm_kv_aware_choice(inp.workers, scores, {w: inp.loads[w].requests for w in inp.workers})
+        loads = inp.loads
+        self._costs = costs = vllm_kv_aware_costs(
+            inp.workers, inp.num_tokens, inp.matched_blocks,
+            {w: loads[w].prefill_tokens() for w in inp.workers},
+            {w: loads[w].requests for w in inp.workers}, inp.block_size)
+        return vllm_kv_aware_choice(inp.workers, costs, has_tokens=inp.num_tokens > 0)
 
-    def after_route(self, inp: RouteInput, tokens: np.ndarray, worker: str) -> None:
-        hashes = self._hashes
-        best = max(self._scores.values(), default=0)
-        if not hashes or best >= len(hashes):
-            return
-        spec = self._speculative[worker]
-        expiry = inp.now + SPECULATIVE_TTL_S
-        for h in hashes[best:]:
-            spec[h] = expiry
-        if len(spec) > 4 * 65536:  # prune expired entries now and then
-            self._speculative[worker] = {h: t for h, t in spec.items() if t > inp.now}
+    def prefill_tokens(self, inp: RouteInput, worker: str) -> int:
+        return vllm_new_prefill_tokens(inp.num_tokens, inp.matched_blocks.get(worker, 0), inp.block_size)
 
     def predicted_hit(self, inp: RouteInput, worker: str) -> int | None:
-        return self._scores.get(worker, 0) * inp.block_size
+        return inp.num_tokens - self.prefill_tokens(inp, worker)
