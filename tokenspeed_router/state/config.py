@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
@@ -153,10 +153,6 @@ class RedisStateConfig:
             return cls(url=clean, **ours)
         except TypeError as err:
             raise ConfigError(f"bad state option: {err}") from err
-
-    def with_(self, **changes: Any) -> RedisStateConfig:
-        """A copy with some fields changed (validated again)."""
-        return replace(self, **changes)
 
 
 def join_url(scheme: str, netloc: str, path: str, query: str, fragment: str = "") -> str:

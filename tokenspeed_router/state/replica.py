@@ -26,7 +26,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from tokenspeed_router.events.subscriber import SubscriberItem
 from tokenspeed_router.state._client import connect, transient_errors
@@ -136,11 +135,6 @@ class RedisStateReplica:
     @property
     def is_leader(self) -> bool:
         return self._role == "leader"
-
-    def start_seq_for(self, worker: str) -> int | None:
-        """Where a new subscription to ``worker`` should start (last seq in the stream + 1)."""
-        position = self.applier.positions_copy().get(worker)
-        return None if position is None else position[1] + 1
 
     def write_snapshot_soon(self) -> None:
         """Ask for a snapshot at the next opportunity (operators, tests)."""
@@ -337,9 +331,3 @@ class RedisStateReplica:
             last_error=errors[0] if errors else None,
         )
 
-    def leader_info(self) -> Any:
-        """Who holds the lease, read from Redis (None if nobody, or Redis is down)."""
-        try:
-            return self._lease.holder()
-        except self._errors:
-            return None
