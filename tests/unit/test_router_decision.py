@@ -11,7 +11,7 @@ choice.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import msgspec
 import pytest
@@ -160,6 +160,7 @@ def test_explanation_costs_are_the_model_cost_and_the_choice_is_their_argmin() -
     assert ex is not None and ex.worker == d.worker and ex.num_tokens == len(PROMPT)
     assert ex.policy == "kv_aware" and ex.weights == weights
     assert [c.worker for c in ex.candidates] == list(WORKERS) and {c.pool for c in ex.candidates} == {"all"}
+    hot = _second_deepest(c.credited_tokens for c in ex.candidates)
     for c in ex.candidates:
         own = load[c.worker]
         assert (c.active_requests, c.queue_tokens, c.active_tokens) == (
@@ -168,7 +169,7 @@ def test_explanation_costs_are_the_model_cost_and_the_choice_is_their_argmin() -
         assert c.matched_tokens == d.predicted_tokens(c.worker) and c.matched_blocks == d.scores[c.worker]
         assert c.uncached_tokens == max(len(PROMPT) - c.credited_tokens, 0)
         assert c.cost == pytest.approx(_reference_cost(len(PROMPT), c.credited_tokens, own, engines.get(c.worker),
-                                                       router.config, weights), rel=1e-12)
+                                                       router.config, weights, hot), rel=1e-12)
         eng = engines.get(c.worker)
         assert c.queue_s == (eng.queue_s if eng is not None else 0.0)
         assert sum(c.matched_tokens_by_tier.values()) == c.matched_tokens
@@ -185,20 +186,35 @@ def test_explanation_costs_are_the_model_cost_and_the_choice_is_their_argmin() -
 
 
 def _ttft(n: int, credit: float, queue_s: float, load: WorkerLoad, rate: float, overhead_s: float,
-          weights: CostWeights) -> float:
-    """The cost, written out: queue clock + overhead + weighted own prefill and load over the rate."""
+          weights: CostWeights, hot: float = 0.0) -> float:
+    """The cost, written out: queue clock + overhead + weighted own prefill and load over the rate.
+
+    The part of a hot prefix (``hot`` tokens deep, held by two engines or more)
+    this engine lacks is priced at its plain recompute (weight 1), not at the
+    prefill weight: one more copy of a shared prefix is not a session's own work.
+    """
     uncached = max(n - credit, 0.0)
+    own = weights.prefill_weight * uncached
+    if hot and weights.prefill_weight > 1.0:
+        own -= (weights.prefill_weight - 1.0) * min(uncached, max(hot - credit, 0.0))
     return (weights.queue_weight * queue_s + overhead_s
-            + (weights.prefill_weight * uncached + weights.decode_weight * load.active_tokens
+            + (own + weights.decode_weight * load.active_tokens
                + weights.request_weight * load.active_requests) / rate)
 
 
+def _second_deepest(credits: Iterable[float]) -> float:
+    """The hot prefix's depth: the second-deepest credit (credits are leading prefixes)."""
+    ranked = sorted(credits, reverse=True)
+    return ranked[1] if len(ranked) > 1 else 0.0
+
+
 def _reference_cost(n: int, credit: float, load: WorkerLoad, eng: EngineEstimate | None,
-                    config: RouterConfig, weights: CostWeights) -> float:
+                    config: RouterConfig, weights: CostWeights, hot: float = 0.0) -> float:
     """The cost the explanation must show (an engine never routed to is idle, at the priors)."""
+    hot = hot if config.replicate_hot_prefixes else 0.0
     if eng is None:
-        return _ttft(n, credit, 0.0, load, config.prefill_tokens_per_s, config.prefill_overhead_s, weights)
-    return _ttft(n, credit, eng.queue_s, load, eng.prefill_tokens_per_s, eng.prefill_overhead_s, weights)
+        return _ttft(n, credit, 0.0, load, config.prefill_tokens_per_s, config.prefill_overhead_s, weights, hot)
+    return _ttft(n, credit, eng.queue_s, load, eng.prefill_tokens_per_s, eng.prefill_overhead_s, weights, hot)
 
 
 def test_ties_and_cold_workers_are_explained() -> None:
@@ -355,13 +371,15 @@ def test_decisions_agree_with_the_index_and_the_cost(
     detail = index.match_detail(prompt)
     d = router.route(prompt, explain=True)
     assert d.explanation is not None
-    expected: dict[str, float] = {}
+    credits: dict[str, float] = {}
     for w in WORKERS:
         blocks = 0 if w in cold else detail.scores.get(w, 0)
-        credit = credited_tokens(blocks, BS, detail.tiers.get(w), weights)
-        assert d.scores[w] == blocks and d.credited_tokens(w) == credit
+        credits[w] = credited_tokens(blocks, BS, detail.tiers.get(w), weights)
+        assert d.scores[w] == blocks and d.credited_tokens(w) == credits[w]
         assert d.indexed_tokens(w) == detail.scores.get(w, 0) * detail.block_size.get(w, 0)
-        expected[w] = _reference_cost(length, credit, load[w], engines.get(w), config, weights)
+    hot = _second_deepest(credits.values())
+    expected = {w: _reference_cost(length, credits[w], load[w], engines.get(w), config, weights, hot)
+                for w in WORKERS}
     got = {c.worker: c.cost for c in d.explanation.candidates}
     assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)
     assert expected[d.worker] == pytest.approx(min(expected.values()), rel=1e-9, abs=1e-12)
