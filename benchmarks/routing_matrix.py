@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="append", default=[], help="rerun this policy's cells")
     parser.add_argument("--shapes", help="only these shapes (comma-separated)")
     parser.add_argument("--speeds", help="only these speeds (comma-separated)")
+    parser.add_argument("--seeds", help="only these seeds of the generated shapes (comma-separated; Mooncake stays)")
     parser.add_argument("--json", type=Path, help="write every cell and verdict here")
     args = parser.parse_args(argv)
     from tokenspeed_router.server.config import parse_router_options
@@ -191,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.speeds:
         speeds = {float(x) for x in args.speeds.split(",")}
         cells = [c for c in cells if c.speed in speeds]
+    if args.seeds:
+        seeds = {int(x) for x in args.seeds.split(",")}
+        cells = [c for c in cells if c.seed in seeds or c.shape in MOONCAKE]
     cache = args.out / "cells"
     cache.mkdir(parents=True, exist_ok=True)
     todo: list[tuple[Cell, Path]] = []
