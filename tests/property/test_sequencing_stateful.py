@@ -409,8 +409,8 @@ def _log_script(rng: random.Random, steps: int) -> _Script:
 @pytest.mark.parametrize("seed", range(12))
 def test_bad_records_cannot_fool_log_replay(tmp_path: Path, seed: int) -> None:
     from tokenspeed_router.server.app import RouterService
-    from tokenspeed_router.server.cli_replay import replay_into
     from tokenspeed_router.server.config import ServerConfig
+    from tokenspeed_router.tools.cli_replay import replay_into
 
     script = _log_script(random.Random(seed), 120)
     path = tmp_path / "events.tslog"

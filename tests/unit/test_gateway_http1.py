@@ -298,3 +298,76 @@ def test_an_unresolvable_host_is_connect_failed() -> None:
         await pool.aclose()
 
     asyncio.run(main())
+
+
+def _recording(seen: list[Any], answer: bytes) -> Handler:
+    """A keep-alive server that records each request (line, headers, body) and writes ``answer``."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                request = await _read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            if not request[0]:
+                return
+            seen.append(request)
+            writer.write(answer)
+            await writer.drain()
+
+    return handler
+
+
+def test_side_calls_get_and_post_whole_answers_on_the_pooled_connection() -> None:
+    """``fetch``: GET without a body, POST with one, whole answers, one connection for all."""
+    requests: list[Any] = []
+    answer = b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{"a":\r\n2\r\n1}\r\n0\r\n\r\n'
+
+    async def client(pool: Http1Pool, url: str, seen: list[Any]) -> None:
+        seen.append(await pool.fetch(b"GET", url, "/v1/models", headers={"authorization": "Bearer k"},
+                                     timeout_s=5))
+        seen.append(await pool.fetch(b"POST", url, "/tokenize", b'{"prompt":"hi"}', timeout_s=5))
+        seen.append(("pool", pool.opened, pool.reused))
+
+    seen = _run(_recording(requests, answer), client)
+    assert seen[-3:] == [(200, b'{"a":1}'), (200, b'{"a":1}'), ("pool", 1, 1)]
+    (get_line, get_headers, get_body), (post_line, post_headers, post_body) = requests
+    assert get_line == b"GET /v1/models HTTP/1.1\r\n" and get_body == b""
+    assert b"content-length" not in get_headers and get_headers[b"authorization"] == b"Bearer k"
+    assert post_line == b"POST /tokenize HTTP/1.1\r\n" and post_body == b'{"prompt":"hi"}'
+    assert post_headers[b"content-type"] == b"application/json"
+
+
+def test_a_url_with_a_path_prefixes_every_request() -> None:
+    requests: list[Any] = []
+
+    async def client(pool: Http1Pool, url: str, seen: list[Any]) -> None:
+        seen.append(await pool.fetch(b"GET", f"{url}/engine-a/", "/health", timeout_s=5))
+        resp = await pool.post(f"{url}/engine-a", "/v1/completions", b"{}")
+        await resp.read()
+        resp.release()
+
+    _run(_recording(requests, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"), client)
+    assert [r[0] for r in requests] == [b"GET /engine-a/health HTTP/1.1\r\n",
+                                        b"POST /engine-a/v1/completions HTTP/1.1\r\n"]
+
+
+def test_fetch_gives_up_at_its_own_deadline_even_while_bytes_trickle() -> None:
+    """A per-call deadline covers the whole exchange (a health probe is not a completion)."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        while True:  # a byte every 50 ms: never a read timeout, never the end
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
+    async def client(pool: Http1Pool, url: str, seen: list[Any]) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(ReadTimeout) as info:
+            await pool.fetch(b"GET", url, "/health", timeout_s=0.3)
+        seen.append((loop.time() - started < 5, is_timeout(info.value), pool.idle_connections()))
+
+    assert _run(handler, client, read_timeout_s=10)[-1] == (True, True, 0)

@@ -7,8 +7,13 @@ The layer order (DESIGN §2, issue 16) is, bottom to top::
        model that simulate and engine-sim share (timing, engine_model)
     1  events, hashing, endpoints          (wire format, content hash, addresses)
     2  cache, router                       (worker-side cache, global index)
-    3  server, state, gateway, relay, sim, engine_sim, loadgen, bench   (the parts)
+    3  server, state, gateway, relay, doctor        (the product: what a deployment runs)
+       tools                                        (offline: record, replay, inspect, decision replay)
+       sim, engine_sim, loadgen, bench              (the lab: what exists to evaluate the product)
     4  cli                                 (the command line that composes them)
+
+Across layer 3 the product never imports the lab or the offline tools
+(``PRODUCT`` below), so what a deployment runs can be read on its own.
 
 A module may import from its own layer or below, never from above. Inside a
 layer, packages may use each other, but the package graph stays acyclic (the
@@ -37,9 +42,14 @@ LAYERS: dict[str, int] = {
     "events": 1, "hashing": 1, "endpoints": 1,
     "cache": 2, "router": 2,
     "server": 3, "state": 3, "gateway": 3, "relay": 3, "sim": 3, "engine_sim": 3, "loadgen": 3,
-    "bench": 3, "doctor": 3,
+    "bench": 3, "doctor": 3, "tools": 3,
     "cli": 4,
 }
+#: what a deployment runs (``serve``, ``relay``, ``doctor``) and the layers below it
+PRODUCT = {"", "errors", "percentiles", "_native", "asgi", "auth", "process", "ratelimit",
+           "events", "hashing", "endpoints", "cache", "router", "server", "state", "gateway", "relay", "doctor"}
+#: what exists to evaluate the product, and the offline tools
+LAB = {"sim", "engine_sim", "loadgen", "bench", "timing", "engine_model", "tools"}
 
 
 def _module_name(path: Path) -> str:
@@ -150,6 +160,13 @@ def test_no_import_points_up_the_layers() -> None:
         if LAYERS[_part(target)] > LAYERS[_part(module)]
     )
     assert not upward, "imports pointing up the layer order:\n" + "\n".join(upward)
+
+
+def test_the_product_never_imports_the_lab() -> None:
+    assert PRODUCT | LAB | {"cli"} == set(LAYERS) and not PRODUCT & LAB
+    leaks = sorted(f"{module} -> {target}" for module, targets in _graph().items() if _part(module) in PRODUCT
+                   for target in targets if _part(target) in LAB)
+    assert not leaks, "the serving side imports the lab or the offline tools:\n" + "\n".join(leaks)
 
 
 def test_package_graph_has_no_cycle() -> None:

@@ -112,10 +112,10 @@ def test_remove_worker_forgets_it_everywhere() -> None:
 def test_serve_simulate_and_replay_run_the_same_core() -> None:
     from tokenspeed_router.server.app import RouterService
     from tokenspeed_router.server.config import ServerConfig
-    from tokenspeed_router.server.decision_replay import Redecider
     from tokenspeed_router.sim.cluster import ClusterConfig
     from tokenspeed_router.sim.policies import RouterBackend
     from tokenspeed_router.state.applier import LocalIndexHost
+    from tokenspeed_router.tools.decision_replay import Redecider
 
     class _View:
         def now(self) -> float:

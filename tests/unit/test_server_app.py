@@ -18,7 +18,7 @@ from tokenspeed_router.events.subscriber import ResyncNeeded, SubscriberItem
 from tokenspeed_router.router.index import KvIndex
 from tokenspeed_router.server import RouterService, ServerConfig, WorkerSpec
 from tokenspeed_router.server.app import NullIngestSink, RecordingSink
-from tokenspeed_router.server.cli_replay import answer_queries
+from tokenspeed_router.tools.cli_replay import answer_queries
 
 
 class LeaderSink:

@@ -15,9 +15,9 @@ from tokenspeed_router.cli import main
 from tokenspeed_router.events.codec import encode_batch
 from tokenspeed_router.events.log import EventLogWriter
 from tokenspeed_router.server import RouterService, ServerConfig
-from tokenspeed_router.server.cli_inspect import router_base_url
 from tokenspeed_router.server.config import HostPort
 from tokenspeed_router.server.http import HttpServer
+from tokenspeed_router.tools.cli_inspect import router_base_url
 
 
 @pytest.fixture(autouse=True)

@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 from collections import defaultdict
-
-import aiohttp
 
 from tokenspeed_router.doctor.engine_run import EngineTarget, Options, check_engine, stream_targets
 from tokenspeed_router.doctor.report import DoctorReport
 from tokenspeed_router.doctor.views import LocalView, RouterHttpView, RouterView
 from tokenspeed_router.doctor.watcher import StreamTarget, Watcher
 from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.gateway.http1 import Http1Pool, UpstreamError
 from tokenspeed_router.gateway.tokenize import load_tokenizer
 from tokenspeed_router.server.worker_spec import WorkerSpec
 
@@ -62,14 +62,18 @@ def _direct_targets(specs: list[str]) -> list[EngineTarget]:
     return [EngineTarget(w.name, w.url, stream_targets(w.name, w.subscribers())) for w in workers]
 
 
-async def _router_targets(session: aiohttp.ClientSession, url: str, headers: dict[str, str],
+#: the doctor's own connection bound (a canary or two per engine at a time, and the router)
+DOCTOR_MAX_CONNECTIONS = 64
+#: idle connections closed before servers drop them (uvicorn, vLLM: 5 s)
+KEEPALIVE_S = 4.0
+
+
+async def _router_targets(pool: Http1Pool, url: str, headers: dict[str, str],
                           timeout_s: float) -> list[EngineTarget]:
     try:
-        async with session.get(f"{url.rstrip('/')}/workers", headers=headers,
-                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            data = await resp.json(content_type=None)
-            status = resp.status
-    except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+        status, raw = await pool.fetch(b"GET", url.rstrip("/"), "/workers", headers=headers, timeout_s=timeout_s)
+        data = json.loads(raw)
+    except (UpstreamError, OSError, ValueError) as err:
         raise ConfigError(f"--router {url}: GET /workers failed: {type(err).__name__}: {err}") from err
     if status != 200 or not isinstance(data, dict):
         raise ConfigError(f"--router {url}: GET /workers answered {status}")
@@ -98,22 +102,26 @@ async def _doctor(args: argparse.Namespace) -> DoctorReport:
     headers = {"authorization": f"Bearer {args.auth_token}"} if args.auth_token else {}
     options = Options(timeout_s=args.timeout, max_event_lag_s=args.max_event_lag, block_size=args.block_size,
                       model=args.model)
-    async with aiohttp.ClientSession() as session:
+    pool = Http1Pool(max_connections=DOCTOR_MAX_CONNECTIONS, connect_timeout_s=args.timeout,
+                     read_timeout_s=args.timeout, keepalive_s=KEEPALIVE_S)
+    try:
         if args.router:
-            targets = await _router_targets(session, args.router, headers, args.timeout)
+            targets = await _router_targets(pool, args.router, headers, args.timeout)
         else:
             targets = _direct_targets(args.worker)
         watcher = Watcher([s for t in targets for s in t.streams])
         try:
             view: RouterView
             if args.router:
-                view = RouterHttpView(session, args.router, headers=headers, timeout_s=args.timeout)
+                view = RouterHttpView(pool, args.router, headers=headers, timeout_s=args.timeout)
             else:
-                view = LocalView(load_tokenizer(args.tokenizer, lambda: session), args.tokenizer, watcher,
+                view = LocalView(load_tokenizer(args.tokenizer, lambda: pool), args.tokenizer, watcher,
                                  args.model)
-            reports = await asyncio.gather(*(check_engine(t, view, watcher, session, options) for t in targets))
+            reports = await asyncio.gather(*(check_engine(t, view, watcher, pool, options) for t in targets))
         finally:
             await asyncio.to_thread(watcher.close)
+    finally:
+        await pool.aclose()
     return DoctorReport(list(reports))
 
 

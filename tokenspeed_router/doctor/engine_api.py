@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
+from tokenspeed_router.gateway.http1 import Http1Pool, UpstreamError
 
 __all__ = ["Answer", "EngineApi", "EngineApiError"]
 
@@ -45,20 +45,20 @@ def _cached_tokens(usage: Any) -> int | None:
 class EngineApi:
     """``POST /v1/completions`` and ``/v1/chat/completions`` of one engine (``url``)."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, *, model: str | None,
+    def __init__(self, pool: Http1Pool, url: str, *, model: str | None,
                  timeout_s: float, headers: dict[str, str] | None = None) -> None:
-        self._session = session
+        self._pool = pool
         self.url = url.rstrip("/")
         self.model = model
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._timeout_s = timeout_s
         self._headers = headers or {}
 
     async def first_model(self) -> str | None:
         """The first model ``GET /v1/models`` lists (None if the engine does not say)."""
         try:
-            async with self._session.get(f"{self.url}/v1/models", timeout=self._timeout) as resp:
-                data = await resp.json(content_type=None) if resp.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+            status, raw = await self._pool.fetch(b"GET", self.url, "/v1/models", timeout_s=self._timeout_s)
+            data = json.loads(raw) if status == 200 else None
+        except (UpstreamError, OSError, ValueError):
             return None
         models = data.get("data") if isinstance(data, dict) else None
         if isinstance(models, list) and models and isinstance(models[0], dict):
@@ -80,12 +80,9 @@ class EngineApi:
             body["model"] = self.model
         sent = time.monotonic()
         try:
-            async with self._session.post(f"{self.url}{path}", json=body,
-                                          headers={**self._headers, **(headers or {})},
-                                          timeout=self._timeout) as resp:
-                raw = await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, TimeoutError, OSError) as err:
+            status, raw = await self._pool.fetch(b"POST", self.url, path, json.dumps(body).encode(),
+                                                 {**self._headers, **(headers or {})}, timeout_s=self._timeout_s)
+        except (UpstreamError, OSError) as err:
             raise EngineApiError(f"POST {self.url}{path}: {type(err).__name__}: {err}") from err
         answered = time.monotonic()
         if status != 200:

@@ -38,8 +38,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from tokenspeed_router.doctor.canary import CONTINUATION_TOKENS, PROBE_TOKENS, Canary
 from tokenspeed_router.doctor.checks import CAUSES, CHECK_NAMES, Cause, Check
 from tokenspeed_router.doctor.engine_api import Answer, EngineApi, EngineApiError
@@ -47,6 +45,7 @@ from tokenspeed_router.doctor.replay_probe import probe_replay
 from tokenspeed_router.doctor.report import EngineReport
 from tokenspeed_router.doctor.views import RouterView, ViewError
 from tokenspeed_router.doctor.watcher import Seen, StreamTarget, Watcher
+from tokenspeed_router.gateway.http1 import Http1Pool
 from tokenspeed_router.gateway.truth import cap_prediction
 
 __all__ = ["EngineTarget", "Options", "check_engine"]
@@ -121,13 +120,13 @@ def _full_tokens(seen: Seen) -> list[int]:
 
 class _EngineRun:
     def __init__(self, target: EngineTarget, view: RouterView, watcher: Watcher,
-                 session: aiohttp.ClientSession, options: Options) -> None:
+                 pool: Http1Pool, options: Options) -> None:
         self.t = target
         self.view = view
         self.watcher = watcher
         self.options = options
         self.streams = [s.name for s in target.streams]
-        self.api = EngineApi(session, target.url or "", model=options.model, timeout_s=options.timeout_s,
+        self.api = EngineApi(pool, target.url or "", model=options.model, timeout_s=options.timeout_s,
                              headers=options.headers)
         self.canary = Canary()
         self.checks: dict[str, Check] = {}
@@ -635,9 +634,9 @@ def _difference(got: list[int], want: list[int], prompt_tokens: int | None) -> s
 
 
 async def check_engine(target: EngineTarget, view: RouterView, watcher: Watcher,
-                       session: aiohttp.ClientSession, options: Options) -> EngineReport:
+                       pool: Http1Pool, options: Options) -> EngineReport:
     """Run every check against one engine (DESIGN §13)."""
-    return await _EngineRun(target, view, watcher, session, options).run()
+    return await _EngineRun(target, view, watcher, pool, options).run()
 
 
 def stream_targets(worker: str, specs: Sequence[Any]) -> tuple[StreamTarget, ...]:

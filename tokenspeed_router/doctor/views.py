@@ -13,11 +13,11 @@ Two sources, one interface (:class:`RouterView`):
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol
 
-import aiohttp
-
 from tokenspeed_router.doctor.watcher import Watcher
+from tokenspeed_router.gateway.http1 import Http1Pool, UpstreamError
 from tokenspeed_router.gateway.tokenize import PromptTokenizer, TokenizeError
 
 __all__ = ["LocalView", "Prediction", "RouterHttpView", "RouterView", "ViewError"]
@@ -72,21 +72,20 @@ class LocalView:
 class RouterHttpView:
     """A running router: ``POST /doctor/expect`` and ``POST /match``."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, *, headers: dict[str, str],
+    def __init__(self, pool: Http1Pool, url: str, *, headers: dict[str, str],
                  timeout_s: float) -> None:
-        self._session = session
+        self._pool = pool
         self._url = url.rstrip("/")
         self._headers = headers
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._timeout_s = timeout_s
         self.description = f"the router at {self._url} (its --tokenizer)"
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            async with self._session.post(f"{self._url}{path}", json=body, headers=self._headers,
-                                          timeout=self._timeout) as resp:
-                data = await resp.json(content_type=None)
-                status = resp.status
-        except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+            status, raw = await self._pool.fetch(b"POST", self._url, path, json.dumps(body).encode(), self._headers,
+                                                 timeout_s=self._timeout_s)
+            data = json.loads(raw)
+        except (UpstreamError, OSError, ValueError) as err:
             raise ViewError(f"POST {self._url}{path}: {type(err).__name__}: {err}") from err
         if status != 200 or not isinstance(data, dict):
             raise ViewError(f"POST {self._url}{path} answered {status}: {str(data)[:300]}")

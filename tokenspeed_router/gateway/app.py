@@ -15,11 +15,11 @@ passed on; without it, the client's header goes to the engine unchanged.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-import aiohttp
 import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -56,7 +56,7 @@ class Gateway:
         self.upstreams = Upstreams(service, config)
         self.truth = TruthLoop(config.truth_window, service.set_distrusted, on_trust=service.set_trust)
         #: the ``--tokenizer`` choice; ``POST /doctor/expect`` answers with it too
-        self.tokenizer = load_tokenizer(config.tokenizer, self.upstreams.client)
+        self.tokenizer = load_tokenizer(config.tokenizer, self.upstreams.pool)
         self.proxy = Proxy(service, config, self.upstreams, self.tokenizer, self.truth)
         #: ``--otlp-traces-endpoint``: one span per request (None: OpenTelemetry never imported)
         self.tracer = load_tracer(config.otlp_traces_endpoint)
@@ -246,14 +246,13 @@ class Gateway:
         urls = self.upstreams.worker_urls()
         if not urls:
             raise OpenAIError(503, "no reachable worker with a url", code="no_worker_available")
-        client = self.upstreams.client()
-
-        timeout = aiohttp.ClientTimeout(total=min(10.0, self.config.upstream_timeout_s))
+        pool = self.upstreams.pool()
+        timeout_s = min(10.0, self.config.upstream_timeout_s)
 
         async def ask(url: str) -> list[dict[str, Any]]:
             try:
-                async with client.get(f"{url}/v1/models", headers=headers, timeout=timeout) as resp:
-                    data = (await resp.json(content_type=None)).get("data") if resp.status == 200 else None
+                status, body = await pool.fetch(b"GET", url, "/v1/models", headers=headers, timeout_s=timeout_s)
+                data = json.loads(body).get("data") if status == 200 else None
             except Exception as err:  # one bad engine must not hide the others' models
                 logger.debug("GET %s/v1/models failed: %r", url, err)
                 return []

@@ -1,7 +1,9 @@
 """A lean pooled HTTP/1.1 client for the gateway's legs to the engines (asyncio protocol + httptools).
 
-Why not aiohttp here (it stays for the side calls: ``/v1/models``, health
-probes, ``/tokenize``): a proxied request is one POST with a JSON body and an
+The one HTTP client for engine calls: the proxy legs, and the side calls
+(``/v1/models``, health probes, ``/tokenize``, ``doctor``) through
+:meth:`Http1Pool.fetch`. Why not aiohttp (it was the second client until
+wave 4): a proxied request is one POST with a JSON body and an
 answer relayed chunk by chunk, and aiohttp's general machinery (a request and
 a response object graph, header multidicts, a payload writer, tracing hooks,
 timer contexts, cookie handling, a stream reader per answer) cost about a
@@ -90,9 +92,13 @@ class ProtocolError(UpstreamError):
 
 
 class Origin:
-    """Scheme, host and port of an engine URL, with its request-line prefix pre-encoded."""
+    """Scheme, host and port of an engine URL, with its request-line prefix pre-encoded.
 
-    __slots__ = ("host", "host_header", "numeric", "port", "ssl")
+    A URL with a path (``http://host:8000/engine-a``) puts that path before
+    every request's (a server behind a path-routing proxy).
+    """
+
+    __slots__ = ("host", "host_header", "numeric", "port", "prefix", "ssl")
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
@@ -102,6 +108,7 @@ class Origin:
         self.host = parts.hostname
         self.port = parts.port or (443 if self.ssl else 80)
         self.host_header = parts.netloc.rsplit("@", 1)[-1].encode("idna")
+        self.prefix = parts.path.rstrip("/").encode("latin-1")
         try:
             ipaddress.ip_address(self.host)
             self.numeric = True  # nothing to resolve
@@ -335,27 +342,67 @@ class Http1Pool:
         return sum(len(d) for d in self._idle.values())
 
     async def post(self, url: str, path: str, body: bytes, headers: Mapping[str, str] | None = None,
-                   *, content_type: bytes = b"application/json") -> Http1Response:
+                   *, content_type: bytes = b"application/json", timeout_s: float | None = None) -> Http1Response:
         """POST ``body`` to ``url + path``; returns once the answer's status and headers arrived."""
+        return await self.request(b"POST", url, path, body, headers, content_type=content_type, timeout_s=timeout_s)
+
+    async def get(self, url: str, path: str, headers: Mapping[str, str] | None = None, *,
+                  timeout_s: float | None = None) -> Http1Response:
+        """GET ``url + path``; returns once the answer's status and headers arrived."""
+        return await self.request(b"GET", url, path, None, headers, timeout_s=timeout_s)
+
+    async def request(self, method: bytes, url: str, path: str, body: bytes | None,
+                      headers: Mapping[str, str] | None = None, *, content_type: bytes = b"application/json",
+                      timeout_s: float | None = None) -> Http1Response:
+        """``method`` (``body``, if any) to ``url + path``; returns once the status and headers arrived.
+
+        ``timeout_s`` replaces the pool's read timeout for this request (a
+        health probe gives up sooner than a completion).
+        """
         origin = self.origin(url)
-        head = [b"POST ", path.encode("latin-1"), b" HTTP/1.1\r\nhost: ", origin.host_header,
-                b"\r\ncontent-type: ", content_type, b"\r\ncontent-length: ", str(len(body)).encode()]
+        head = [method, b" ", origin.prefix, path.encode("latin-1"), b" HTTP/1.1\r\nhost: ", origin.host_header]
+        if body is not None:
+            head += (b"\r\ncontent-type: ", content_type, b"\r\ncontent-length: ", str(len(body)).encode())
         if headers:
             for key, value in headers.items():
                 head += (b"\r\n", key.encode("latin-1"), b": ", value.encode("latin-1"))
-        head += (b"\r\n\r\n", body)
+        head += (b"\r\n\r\n", body or b"")
         data = b"".join(head)
+        timeout = self._read_timeout_s if timeout_s is None else timeout_s
         conn = await self._acquire(origin)
         try:
             assert conn.transport is not None
             conn.transport.write(data)
-            await conn.wait(self._read_timeout_s)
+            await conn.wait(timeout)
             while not conn.status and not conn.complete:  # woken by a body-less close: wait on
-                await conn.wait(self._read_timeout_s)
+                await conn.wait(timeout)
         except BaseException:
             self._close(conn)
             raise
-        return Http1Response(conn, self._read_timeout_s)
+        return Http1Response(conn, timeout)
+
+    async def fetch(self, method: bytes, url: str, path: str, body: bytes | None = None,
+                    headers: Mapping[str, str] | None = None, *, timeout_s: float) -> tuple[int, bytes]:
+        """One whole exchange within ``timeout_s`` in all: ``(status, body)``, the connection kept alive.
+
+        For the side calls (``/v1/models``, ``/tokenize``, health probes,
+        ``doctor``'s questions), where the answer is small and wanted whole.
+        Raises :class:`UpstreamError` (a deadline passed is a :class:`ReadTimeout`).
+        """
+        async def exchange() -> tuple[int, bytes]:
+            answer = await self.request(method, url, path, body, headers, timeout_s=timeout_s)
+            try:
+                data = await answer.read()
+            except BaseException:
+                answer.close()
+                raise
+            answer.release()
+            return answer.status, data
+
+        try:
+            return await asyncio.wait_for(exchange(), timeout_s)
+        except asyncio.TimeoutError:
+            raise ReadTimeout(f"{method.decode()} {url}{path}: no whole answer within {timeout_s:g}s") from None
 
     async def aclose(self) -> None:
         """Close every idle connection; later requests fail (connections in use close on release)."""

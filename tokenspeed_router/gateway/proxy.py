@@ -27,7 +27,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from tokenspeed_router.asgi import Send, send_response
@@ -61,7 +60,7 @@ class _UsageOnly(msgspec.Struct):
 
 _usage_decoder = msgspec.json.Decoder(_UsageOnly)
 #: what a failing engine connection can raise
-_TRANSPORT = (UpstreamError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
+_TRANSPORT = (UpstreamError, asyncio.TimeoutError, OSError)
 
 
 class _Unreachable(Exception):
@@ -72,7 +71,7 @@ class _Unreachable(Exception):
         self.target = target
         #: no connection could be made (refused, unroutable, connect timeout); otherwise an
         #: established connection was closed or reset before the answer started
-        self.refused = isinstance(err, (ConnectFailed, aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+        self.refused = isinstance(err, ConnectFailed)
 
 
 def _before_first_byte(target: Target, err: BaseException, what: str) -> Exception:

@@ -29,9 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-import aiohttp
-
 from tokenspeed_router.errors import ConfigError, TokenspeedError
+from tokenspeed_router.gateway.http1 import Http1Pool, UpstreamError
 
 __all__ = [
     "EngineTokenizer",
@@ -123,9 +122,9 @@ def _token_answer(data: Any, url: str) -> list[int]:
 class EngineTokenizer:
     """Tokenize with the engine's own ``POST /tokenize`` (vLLM / SGLang shapes)."""
 
-    def __init__(self, client: Callable[[], aiohttp.ClientSession], timeout_s: float = 10.0) -> None:
-        self._client = client
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+    def __init__(self, pool: Callable[[], Http1Pool], timeout_s: float = 10.0) -> None:
+        self._pool = pool
+        self._timeout_s = timeout_s
         self._cache = _TokenCache()
 
     async def _ask(self, url: str | None, payload: dict[str, Any]) -> list[int]:
@@ -136,10 +135,9 @@ class EngineTokenizer:
         if hit is not None:
             return hit
         try:
-            async with self._client().post(f"{url}/tokenize", json=payload, timeout=self._timeout) as resp:
-                content = await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+            status, content = await self._pool().fetch(b"POST", url, "/tokenize", json.dumps(payload).encode(),
+                                                       timeout_s=self._timeout_s)
+        except (UpstreamError, OSError) as err:
             raise TokenizeError(f"{url}/tokenize: {type(err).__name__}: {err}") from err
         if status != 200:
             raise TokenizeError(f"{url}/tokenize answered {status}: {content[:200]!r}",
@@ -285,8 +283,8 @@ class LocalTokenizer:
         return await asyncio.to_thread(self.encode_text, text, special)
 
 
-def load_tokenizer(setting: str, client: Callable[[], aiohttp.ClientSession]) -> PromptTokenizer:
+def load_tokenizer(setting: str, pool: Callable[[], Http1Pool]) -> PromptTokenizer:
     """``--tokenizer engine`` or ``--tokenizer PATH`` (a ConfigError names what is wrong)."""
     if setting == "engine":
-        return EngineTokenizer(client)
+        return EngineTokenizer(pool)
     return LocalTokenizer(setting)

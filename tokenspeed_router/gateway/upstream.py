@@ -1,15 +1,14 @@
-"""Where the engines are, the pooled HTTP clients that reach them, and which are down.
+"""Where the engines are, the pooled HTTP client that reaches them, and which are down.
 
-Two clients, each made on first use in the serving event loop:
-
-* the proxy legs (``/v1/completions``, ``/v1/chat/completions``, both P/D
-  legs) go through :class:`~tokenspeed_router.gateway.http1.Http1Pool`, a
-  lean keep-alive HTTP/1.1 client bounded by ``upstream_max_connections``:
-  measured against aiohttp, httpx and others in one run
-  (``benchmarks/bench_http_stack.py``, docs/gateway.md), it costs half of
-  aiohttp's CPU per streamed request and a twentieth of httpx's;
-* the side calls (``/v1/models``, ``/tokenize``, health probes) use one
-  ``aiohttp.ClientSession``: rare, and aiohttp's generality is welcome there.
+One client, made on first use in the serving event loop:
+:class:`~tokenspeed_router.gateway.http1.Http1Pool`, a lean keep-alive
+HTTP/1.1 client bounded by ``upstream_max_connections``. The proxy legs
+(``/v1/completions``, ``/v1/chat/completions``, both P/D legs) stream through
+it; the side calls (``/v1/models``, ``/tokenize``, health probes) take whole
+answers from it (:meth:`~tokenspeed_router.gateway.http1.Http1Pool.fetch`).
+Measured against aiohttp, httpx and others in one run
+(``benchmarks/bench_http_stack.py``, docs/gateway.md), it costs half of
+aiohttp's CPU per streamed request and a twentieth of httpx's.
 
 Timeouts: ``upstream_connect_timeout_s`` to connect, ``upstream_timeout_s``
 for every read (see :class:`~tokenspeed_router.gateway.config.GatewayConfig`).
@@ -29,8 +28,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import aiohttp
-
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.gateway.host import GatewayHost
 from tokenspeed_router.gateway.http1 import (
@@ -38,6 +35,7 @@ from tokenspeed_router.gateway.http1 import (
     ConnectionDropped,
     Http1Pool,
     ReadTimeout,
+    UpstreamError,
 )
 
 __all__ = ["Target", "Upstreams", "is_timeout", "is_unreachable"]
@@ -52,18 +50,15 @@ KEEPALIVE_S = 4.0
 
 def is_unreachable(err: BaseException) -> bool:
     """The engine did not take the request: refused, reset, closed, or no connection in time."""
-    if isinstance(err, (ConnectFailed, ConnectionDropped, aiohttp.ConnectionTimeoutError)):
+    if isinstance(err, (ConnectFailed, ConnectionDropped)):
         return True
     if isinstance(err, ReadTimeout):
-        return False
-    if isinstance(err, aiohttp.ServerTimeoutError):
         return False  # connected, then too slow: busy, not gone
-    return isinstance(err, (aiohttp.ClientConnectionError, ConnectionError))
+    return isinstance(err, ConnectionError)
 
 
 def is_timeout(err: BaseException) -> bool:
-    return isinstance(err, (ReadTimeout, aiohttp.ServerTimeoutError, asyncio.TimeoutError)) and not isinstance(
-        err, aiohttp.ConnectionTimeoutError)
+    return isinstance(err, (ReadTimeout, asyncio.TimeoutError))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,30 +80,13 @@ class Upstreams:
     def __init__(self, service: GatewayHost, config: GatewayConfig) -> None:
         self._service = service
         self._config = config
-        self._client: aiohttp.ClientSession | None = None
         self._pool: Http1Pool | None = None
         self._down: dict[str, float] = {}  # worker -> monotonic time it went down
         self._probes: dict[str, asyncio.Task[None]] = {}
         self.down_events = 0
 
-    def client(self) -> aiohttp.ClientSession:
-        """The process-wide session (created in the running loop on first use)."""
-        if self._client is None:
-            c = self._config
-            self._client = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=c.upstream_max_connections, limit_per_host=0,
-                                               keepalive_timeout=KEEPALIVE_S),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=c.upstream_connect_timeout_s,
-                                              connect=c.upstream_connect_timeout_s,
-                                              sock_read=c.upstream_timeout_s),
-                auto_decompress=False,  # bytes are relayed as the engine sent them
-                # ... so never invite a compressed answer (its Content-Encoding is not relayed)
-                skip_auto_headers=("Accept-Encoding",),
-            )
-        return self._client
-
     def pool(self) -> Http1Pool:
-        """The proxy legs' lean keep-alive client (``http1.py``), made on first use."""
+        """The one client for engine calls (``http1.py``): proxy legs and side calls, made on first use."""
         if self._pool is None:
             c = self._config
             self._pool = Http1Pool(max_connections=c.upstream_max_connections,
@@ -128,9 +106,6 @@ class Upstreams:
         if self._pool is not None:
             await self._pool.aclose()
             self._pool = None
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
 
     # --- targets ----------------------------------------------------------------
 
@@ -190,7 +165,8 @@ class Upstreams:
 
     async def _probe(self, worker: str, url: str, streams: list[str]) -> None:
         deadline = time.monotonic() + self._config.worker_down_cooldown_s
-        client = self.client()
+        pool = self.pool()
+        probe_timeout_s = min(2.0, self._config.upstream_timeout_s)
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             if worker not in self._service.worker_specs():
@@ -198,12 +174,11 @@ class Upstreams:
                 self._probes.pop(worker, None)
                 return
             try:
-                async with client.get(f"{url}/health", timeout=aiohttp.ClientTimeout(
-                        total=min(2.0, self._config.upstream_timeout_s))) as resp:
-                    if resp.status == 200:
-                        self._mark_up(worker, streams, "health probe answered 200")
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+                status, _ = await pool.fetch(b"GET", url, "/health", timeout_s=probe_timeout_s)
+                if status == 200:
+                    self._mark_up(worker, streams, "health probe answered 200")
+                    return
+            except (UpstreamError, OSError):
                 pass
             if time.monotonic() >= deadline:
                 self._mark_up(worker, streams, f"cooldown of {self._config.worker_down_cooldown_s:g}s over")

@@ -28,7 +28,7 @@ Ties (within a relative 1e-9) go to the fewest requests in flight, then to
 the rendezvous hash of the prompt's first uncached block, so replicas and
 siblings agree.
 
-Decision replay (``server/decision_replay.py``) prices logged decisions with
+Decision replay (``tools/decision_replay.py``) prices logged decisions with
 the same :meth:`CostModel.choose`: a ``load_provider`` answer that carries
 ``queue_s``/``prefill_tokens_per_s``/``prefill_overhead_s`` (what the log
 recorded) replaces the engine's own clock and fit.

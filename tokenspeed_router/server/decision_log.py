@@ -11,7 +11,7 @@ Each explained decision (asked for, or sampled by ``--explain-sample``; see
 
 ``time`` is wall-clock seconds, the clock the event log's receive times use,
 so ``replay EVENTLOG --decisions FILE`` can rebuild the index as of each
-decision (``server/decision_replay.py``). ``token_ids`` are there for that
+decision (``tools/decision_replay.py``). ``token_ids`` are there for that
 replay: the file holds prompts' token ids, as an event log does; protect it
 like one. ``weights`` are the cost weights in force (every field of
 ``CostWeights``, whatever the cost model's version), so a reader can

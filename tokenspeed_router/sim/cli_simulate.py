@@ -197,7 +197,7 @@ def _run_decisions(args: argparse.Namespace) -> int:
     """``simulate --decisions FILE``: each of --policies against the logged decisions (logged state)."""
     from tokenspeed_router.router.scoring import Policy
     from tokenspeed_router.server.decision_log import DecisionLogReader
-    from tokenspeed_router.server.decision_replay import redecide_config, simulate_decisions
+    from tokenspeed_router.tools.decision_replay import redecide_config, simulate_decisions
 
     known = [p.value for p in Policy]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

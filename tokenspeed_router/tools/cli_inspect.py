@@ -24,7 +24,7 @@ from tokenspeed_router.events.codec import BatchDecoder
 from tokenspeed_router.events.log import LogRecord
 from tokenspeed_router.events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from tokenspeed_router.events.sequencing import SequenceTracker, VerdictKind
-from tokenspeed_router.server.cli_replay import EventSource, warn_truncated
+from tokenspeed_router.tools.cli_replay import EventSource, warn_truncated
 
 __all__ = ["add_arguments", "inspect_records", "router_base_url", "run"]
 

@@ -273,10 +273,10 @@ def _iter_lines(path: str) -> Iterator[str]:
 
 
 def _replay_decisions(args: argparse.Namespace, service: Any, until_s: float | None) -> int:
-    """``replay LOG --decisions FILE``: see ``server/decision_replay.py``."""
+    """``replay LOG --decisions FILE``: see ``tools/decision_replay.py``."""
     from tokenspeed_router.server.config import parse_router_options
     from tokenspeed_router.server.decision_log import DecisionLogReader
-    from tokenspeed_router.server.decision_replay import redecide_config, replay_decisions
+    from tokenspeed_router.tools.decision_replay import redecide_config, replay_decisions
 
     reader = DecisionLogReader(args.decisions)
     first = next(iter(reader), None)
