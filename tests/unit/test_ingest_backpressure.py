@@ -6,7 +6,9 @@ import threading
 import time
 from collections.abc import Sequence
 
+import msgspec
 from support import wait_until
+from support.raw_stream import BAD_PAYLOADS, RawStream, bad_frames
 from support.server import batch, stored, tokens
 
 from tokenspeed_router.events.publisher import ZmqEventPublisher
@@ -15,6 +17,7 @@ from tokenspeed_router.events.subscriber import (
     RESYNC_SHED,
     BatchReceived,
     EventSubscriber,
+    PublisherRestarted,
     ResyncNeeded,
     SubscriberItem,
 )
@@ -154,6 +157,50 @@ def test_subscriber_sheds_its_socket_backlog_without_replaying_it() -> None:
         assert [(type(i), getattr(i, "seq", None)) for i in after] == [(BatchReceived, first + 21)]
         stats = sub.statistics()
         assert stats.replay_requests == requests and stats.gaps == 0  # nothing asked again
+
+
+def test_shedding_skips_bad_frames_without_moving_the_sequence() -> None:
+    """A bad frame under the seq due next is skipped by cause, not shed as that batch (issue 28).
+
+    Shedding used to read only the seq: the bad frame was taken as batch k+1,
+    and the real k+1 after it for a publisher restart that dropped the engine.
+    """
+    encode = msgspec.msgpack.Encoder().encode
+    good = [encode(batch(stored(tokens(100 + k, 1)))) for k in range(40)]
+    with RawStream(replay=False) as stream, EventSubscriber("w", stream.endpoint) as sub:
+        got: list[SubscriberItem] = []
+        seq = 0
+
+        def joined() -> bool:  # publish seq 0, 1, ... until one arrives (the SUB connection is up)
+            nonlocal seq
+            stream.publish(seq, good[seq])
+            seq += 1
+            got.extend(sub.poll(0.05))
+            return any(isinstance(i, BatchReceived) for i in got)
+
+        stream.wait_subscribed()
+        wait_until(joined, 10, what="a first batch")
+        wait_until(lambda: got.extend(sub.poll(0.05)) or sub.last_seq == seq - 1, 10, what="all received")
+        start = seq
+        for k in range(start, start + 20):  # every bad frame under the seq due next, then the batch itself
+            for payload in BAD_PAYLOADS.values():
+                stream.send_frames([stream.topic, k.to_bytes(8, "big"), payload])
+            for frames in bad_frames(stream.topic, k):
+                stream.send_frames(frames)
+            stream.publish(k, good[k])
+        received = sub.statistics().received
+        sent = 20 * (len(BAD_PAYLOADS) + len(bad_frames(stream.topic, 0)) + 1)
+        shed: list[SubscriberItem] = []
+        wait_until(lambda: shed.extend(sub.shed_backlog()) or sub.statistics().received - received >= sent, 10,
+                   what="the backlog read")
+        stats = sub.statistics()
+        assert stats.shed == 20 and stats.restarts == 0 and sub.epoch == 0
+        assert not any(isinstance(i, (PublisherRestarted, BatchReceived)) for i in shed)
+        assert [(r.expected_seq, r.got_seq) for r in shed if isinstance(r, ResyncNeeded)] == [(start, start + 20)]
+        stream.publish(start + 20, good[start + 20])
+        after: list[SubscriberItem] = []
+        wait_until(lambda: after.extend(sub.poll(0.05)) or after, 10, what="the next batch")
+        assert [(type(i), getattr(i, "seq", None)) for i in after] == [(BatchReceived, start + 20)]
 
 
 def test_service_sheds_a_stream_that_fell_behind_and_recovers() -> None:

@@ -81,20 +81,6 @@ class FrameReader:
             self._worker, reason, *args,
         )
 
-    def well_shaped(self, frames: list[bytes]) -> bool:
-        """``[topic, 8-byte seq, payload]`` on our topic, within the size limit (payload unread)."""
-        return (
-            len(frames) == 3
-            and len(frames[1]) == SEQ_BYTES
-            and not (self._topic and frames[0] != self._topic)
-            and len(frames[2]) <= self._max_payload_bytes
-        )
-
-    def note_received(self) -> None:
-        """A live message was read without being parsed (a shed one)."""
-        self.received += 1
-        self.last_recv_time_s = time.time()
-
     def parse_live(self, frames: list[bytes]) -> Message | None:
         """A live message, or None (counted) when it is not one we can use."""
         now = time.time()

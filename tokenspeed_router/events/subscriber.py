@@ -90,7 +90,7 @@ import zmq
 
 from tokenspeed_router.events.curve import CurveClientKeys
 from tokenspeed_router.events.frame_reader import FrameReader
-from tokenspeed_router.events.frames import decode_seq, ipv6_endpoint
+from tokenspeed_router.events.frames import ipv6_endpoint
 from tokenspeed_router.events.items import (
     BatchReceived,
     PublisherRestarted,
@@ -365,9 +365,11 @@ class EventSubscriber:
         """Drop the live batches waiting in the SUB socket, undecoded; report them lost.
 
         For a caller that finds this stream too far behind its publisher to
-        catch up (``server/apply_queue.py``): reading and fingerprinting a
-        message costs a few microseconds, decoding and applying it tens. The
-        dropped batches are in order (anything else -- a gap, a restart, a
+        catch up (``server/apply_queue.py``): reading, checking (the native
+        scan) and fingerprinting a message costs a few microseconds, decoding
+        and applying it tens. Only batches that pass the frame checks are
+        dropped (a malformed frame is counted and skipped, as on the normal
+        path, and moves nothing). The dropped batches are in order (anything else -- a gap, a restart, a
         duplicate -- stops the drop and takes the normal path), so they are
         remembered as delivered and never replayed, and one ResyncNeeded
         (reason ``RESYNC_SHED``) covers them: the consumer drops the worker's
@@ -386,21 +388,22 @@ class EventSubscriber:
                 frames = self._sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if not self._frames.well_shaped(frames):
-                self._frames.parse_live(frames)  # counts and logs the malformed frame the usual way
-                continue
-            seq = decode_seq(frames[1])
-            if self._tracker.classify(seq, frames[2]).kind is not VerdictKind.IN_ORDER:
-                message = self._frames.parse_live(frames)
-                if message is not None:
-                    self._held.append(message)
+            # Checked like any live frame (the native scan vouches for the common
+            # payloads without building objects): a frame that does not decode and
+            # validate must not move the sequence state here either -- a bad frame
+            # under the next seq would otherwise be "shed" as that batch, and the
+            # real batch, arriving after it, taken for a restart.
+            message = self._frames.parse_live(frames)
+            if message is None:
+                continue  # counted and logged by cause (malformed, or a filler)
+            if self._tracker.classify(message.seq, message.payload).kind is not VerdictKind.IN_ORDER:
+                self._held.append(message)
                 break
-            self._frames.note_received()
-            self._tracker.observe(seq, frames[2])
+            self._tracker.observe(message.seq, message.payload)
             self._shed += 1
             if first is None:
-                first = seq
-            last = seq
+                first = message.seq
+            last = message.seq
         if first is not None:
             self._resync(out, first, last + 1, RESYNC_SHED)
         self._drain_held(out)
