@@ -866,7 +866,10 @@ def fault_interleaved(ctx: Ctx, *, replay: bool, typed: bool) -> Row:
         for p in c.proxies:
             p.junk = junk
         batches_before = sum(e.last_seq + 1 for e in c.engines)
-        chunk = 2_000
+        # 500 good batches (~1,500 frames) a chunk: a burst of 2,000 (~6,000 frames) put the router
+        # more than ingest_max_lag_s behind on 2 cores, so it shed (an overload resync, by design):
+        # this row is about bad frames, the slow-consumer row about overload
+        chunk = 500
         done = 0
         while done < goods:
             for _ in range(min(chunk, goods - done)):

@@ -145,7 +145,7 @@ class SubscriberStatistics:
     """Live messages held while a replay is in flight."""
     last_recv_time_s: float | None
     shed: int = 0
-    """Live batches dropped undecoded by :meth:`EventSubscriber.shed_backlog`."""
+    """Live batches dropped unapplied by :meth:`EventSubscriber.shed_backlog`."""
 
     @property
     def malformed_total(self) -> int:

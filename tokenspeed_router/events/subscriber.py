@@ -362,7 +362,7 @@ class EventSubscriber:
         return out
 
     def shed_backlog(self) -> list[SubscriberItem]:
-        """Drop the live batches waiting in the SUB socket, undecoded; report them lost.
+        """Drop the live batches waiting in the SUB socket, unapplied; report them lost.
 
         For a caller that finds this stream too far behind its publisher to
         catch up (``server/apply_queue.py``): reading, checking (the native

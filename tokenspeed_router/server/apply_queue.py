@@ -61,7 +61,7 @@ class LagStatus:
 
     ``apply_delay_s``: publisher timestamp to applied, for the last live batch
     (offset-corrected, seconds). ``queued``: its items waiting to be applied.
-    ``shed_batches`` / ``sheds``: batches dropped undecoded, and how many times.
+    ``shed_batches`` / ``sheds``: batches dropped unapplied (checked first), and how many times.
     """
 
     apply_delay_s: float | None

@@ -140,7 +140,7 @@ class WorkerStateCollector(Collector):
             "malformed": ("tokenspeed_ingest_malformed_frames", "frames skipped as malformed (bad seq, payload, topic)"),
             "shed_batches": (
                 "tokenspeed_ingest_shed_batches",
-                "batches dropped undecoded because the stream fell more than ingest_max_lag_s behind (then resynced)",
+                "batches dropped unapplied (checked first) because the stream fell more than ingest_max_lag_s behind (then resynced)",
             ),
         }
         for attr, (name, doc) in counters.items():
