@@ -94,6 +94,21 @@ def _fuzz_against(data: Any) -> str:
             f"coverage {data['seed_cov']:,} -> {data['cov']:,} edges)")
 
 
+def _live_cells(data: Any, key: str) -> str:
+    cells = [c for c in data["cells"] if c["targets_met"]]
+    return f"{sum(bool(c['targets_met'][key]) for c in cells)} / {len(cells)}"
+
+
+def _live_against(data: Any) -> str:
+    traces = sorted({c["trace"] for c in data["cells"]})
+    scenarios = sorted({c["scenario"] for c in data["cells"]})
+    proven = sum(v["index_proven"] for c in data["cells"] for v in c["controls"].values())
+    controls = sum(len(c["controls"]) for c in data["cells"])
+    return (f"vllm-router 0.1.17 and sglang-router 0.3.2 on their defaults, {', '.join(traces)} x "
+            f"{', '.join(scenarios)}, {data['config']['runs']} runs a cell; peers' indexes proven by their "
+            f"controls in {proven} / {controls}")
+
+
 FIGURES: list[Figure] = [
     Figure("routing, `simulate`, held-out test set (other seeds, 4 shapes never tuned on, both Mooncake "
            "traces) x engines at 0.25/1/4x the prior x pressure/restarts: cells where `kv_aware`'s TTFT p99 "
@@ -106,6 +121,14 @@ FIGURES: list[Figure] = [
            lambda d: _verdicts(d, "hit_ok"), _matrix_shapes, "same"),
     Figure("… its TTFT p99 over the best rival's, median (min-max) of the cells", "routing-matrix-test.json",
            lambda d: _median_ratio(d, "p99_vs_best"), lambda d: "1.00 = as good as the best", "same"),
+    Figure("live, real time, engines at the prior, medians of 3: cells where our gateway's TTFT p99 <= both "
+           "peers'", "compare-routers.json", lambda d: _live_cells(d, "ttft_p99"), _live_against,
+           "`benchmarks/compare_routers.py --traces agentic,docqa --scenarios pressure,restart --engine-speeds 1 "
+           "--runs 3 --shape-requests 200`"),
+    Figure("... cells where its TTFT p50 <= both peers'", "compare-routers.json",
+           lambda d: _live_cells(d, "ttft_p50"), _live_against, "same"),
+    Figure("... cells where its hit ratio >= the best peer's - 1 point", "compare-routers.json",
+           lambda d: _live_cells(d, "hit"), _live_against, "same"),
     Figure("fault matrix: rows recovered with the index equal to the engines' own caches, 0 crashes, "
            "0 accepted batches lost", "faults.json", _faults_rows,
            lambda d: "frame loss, duplicates, reordering, restarts, SIGKILLs, Redis, slow consumer, fuzzed and "
