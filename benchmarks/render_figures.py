@@ -104,17 +104,16 @@ def _live_against(data: Any) -> str:
     scenarios = sorted({c["scenario"] for c in data["cells"]})
     proven = sum(v["index_proven"] for c in data["cells"] for v in c["controls"].values())
     controls = sum(len(c["controls"]) for c in data["cells"])
-    return (f"vllm-router 0.1.17 and sglang-router 0.3.2 on their defaults, {', '.join(traces)} x "
-            f"{', '.join(scenarios)}, {data['config']['runs']} runs a cell; peers' indexes proven by their "
-            f"controls in {proven} / {controls}")
+    return (f"vllm-router, sglang-router; {', '.join(traces)} x {', '.join(scenarios)}; "
+            f"peers' controls proven {proven} / {controls}")
 
 
 FIGURES: list[Figure] = [
-    Figure("routing, `simulate`, held-out test set (other seeds, 4 shapes never tuned on, both Mooncake "
-           "traces) x engines at 0.25/1/4x the prior x pressure/restarts: cells where `kv_aware`'s TTFT p99 "
-           "≤ the best of `approx` and the validated peer emulation",
+    Figure("routing in `simulate`, held-out test set ([routing.md](docs/routing.md#how-the-defaults-were-chosen-"
+           "train-and-test)): cells where `kv_aware`'s TTFT p99 ≤ the best of `approx` and the validated peer "
+           "emulation",
            "routing-matrix-test.json", lambda d: _verdicts(d, "p99_ok"), _matrix_shapes,
-           "`benchmarks/routing_matrix.py --set test --seeds 1 --policies kv_aware,approx,sglang_cache_aware`"),
+           "`benchmarks/routing_matrix.py --set test --seeds 1`"),
     Figure("… cells where its TTFT p50 ≤ 1.05x the best", "routing-matrix-test.json",
            lambda d: _verdicts(d, "p50_ok"), _matrix_shapes, "same"),
     Figure("… cells where its hit ratio ≥ the best - 1 point", "routing-matrix-test.json",
@@ -123,8 +122,7 @@ FIGURES: list[Figure] = [
            lambda d: _median_ratio(d, "p99_vs_best"), lambda d: "1.00 = as good as the best", "same"),
     Figure("live, real time, engines at the prior, medians of 3: cells where our gateway's TTFT p99 <= both "
            "peers'", "compare-routers.json", lambda d: _live_cells(d, "ttft_p99"), _live_against,
-           "`benchmarks/compare_routers.py --traces agentic,docqa --scenarios pressure,restart --engine-speeds 1 "
-           "--runs 3 --shape-requests 200`"),
+           "`benchmarks/compare_routers.py` ([compare-routers.md](docs/compare-routers.md#results))"),
     Figure("... cells where its TTFT p50 <= both peers'", "compare-routers.json",
            lambda d: _live_cells(d, "ttft_p50"), _live_against, "same"),
     Figure("... cells where its hit ratio >= the best peer's - 1 point", "compare-routers.json",

@@ -28,6 +28,7 @@ from tokenspeed_router.doctor.watcher import StreamTarget, Watcher
 from tokenspeed_router.errors import ConfigError
 from tokenspeed_router.gateway.http1 import Http1Pool, UpstreamError
 from tokenspeed_router.gateway.tokenize import load_tokenizer
+from tokenspeed_router.gateway.upstream import KEEPALIVE_S
 from tokenspeed_router.server.worker_spec import WorkerSpec
 
 __all__ = ["add_arguments", "run"]
@@ -64,8 +65,6 @@ def _direct_targets(specs: list[str]) -> list[EngineTarget]:
 
 #: the doctor's own connection bound (a canary or two per engine at a time, and the router)
 DOCTOR_MAX_CONNECTIONS = 64
-#: idle connections closed before servers drop them (uvicorn, vLLM: 5 s)
-KEEPALIVE_S = 4.0
 
 
 async def _router_targets(pool: Http1Pool, url: str, headers: dict[str, str],

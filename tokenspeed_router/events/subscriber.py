@@ -369,9 +369,9 @@ class EventSubscriber:
         scan) and fingerprinting a message costs a few microseconds, decoding
         and applying it tens. Only batches that pass the frame checks are
         dropped (a malformed frame is counted and skipped, as on the normal
-        path, and moves nothing). The dropped batches are in order (anything else -- a gap, a restart, a
-        duplicate -- stops the drop and takes the normal path), so they are
-        remembered as delivered and never replayed, and one ResyncNeeded
+        path, and moves nothing). The dropped batches are in order (anything
+        else -- a gap, a restart, a duplicate -- stops the drop and takes the
+        normal path), so they are remembered as delivered and never replayed, and one ResyncNeeded
         (reason ``RESYNC_SHED``) covers them: the consumer drops the worker's
         entries and treats it as resyncing, exactly as for a loss on the wire.
         Does nothing while a replay is in flight or before the stream joined.

@@ -46,7 +46,7 @@ import ipaddress
 import socket
 import ssl
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -341,15 +341,20 @@ class Http1Pool:
     def idle_connections(self) -> int:
         return sum(len(d) for d in self._idle.values())
 
-    async def post(self, url: str, path: str, body: bytes, headers: Mapping[str, str] | None = None,
-                   *, content_type: bytes = b"application/json", timeout_s: float | None = None) -> Http1Response:
-        """POST ``body`` to ``url + path``; returns once the answer's status and headers arrived."""
-        return await self.request(b"POST", url, path, body, headers, content_type=content_type, timeout_s=timeout_s)
+    def post(self, url: str, path: str, body: bytes, headers: Mapping[str, str] | None = None,
+             *, content_type: bytes = b"application/json",
+             timeout_s: float | None = None) -> Coroutine[Any, Any, Http1Response]:
+        """POST ``body`` to ``url + path``; the answer once its status and headers arrived.
 
-    async def get(self, url: str, path: str, headers: Mapping[str, str] | None = None, *,
-                  timeout_s: float | None = None) -> Http1Response:
-        """GET ``url + path``; returns once the answer's status and headers arrived."""
-        return await self.request(b"GET", url, path, None, headers, timeout_s=timeout_s)
+        Hands back :meth:`request`'s coroutine itself (no second frame on the
+        proxy's path, which posts once per request).
+        """
+        return self.request(b"POST", url, path, body, headers, content_type=content_type, timeout_s=timeout_s)
+
+    def get(self, url: str, path: str, headers: Mapping[str, str] | None = None, *,
+            timeout_s: float | None = None) -> Coroutine[Any, Any, Http1Response]:
+        """GET ``url + path``; the answer once its status and headers arrived."""
+        return self.request(b"GET", url, path, None, headers, timeout_s=timeout_s)
 
     async def request(self, method: bytes, url: str, path: str, body: bytes | None,
                       headers: Mapping[str, str] | None = None, *, content_type: bytes = b"application/json",
