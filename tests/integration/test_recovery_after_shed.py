@@ -74,9 +74,10 @@ def test_shed_backlog_then_steady_load_returns_the_worker_live_and_exact() -> No
         return decision.worker
 
     try:
-        for name, e in engines.items():  # join: every stream delivers a first batch
+        for name, e in engines.items():  # join: caught up, and a live batch arrived (its SUB is connected)
             wait_until(lambda e=e, name=name: (e.serve([rng.randrange(10**7) for _ in range(BS)]), pump(name),
-                                                subs[name].last_seq == e.last_seq)[2], 15,
+                                                subs[name].last_seq == e.last_seq
+                                                and subs[name].statistics().received > 0)[2], 15,
                        interval_s=0.02, what=f"{name} joined")
         for _ in range(60):
             request(prompt())
