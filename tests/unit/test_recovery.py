@@ -211,3 +211,21 @@ def test_recovery_reaches_the_hit_ratio_of_a_run_without_the_loss(seed: int) -> 
 
     without, with_loss = run(False), run(True)
     assert with_loss >= without - 0.02, (with_loss, without)
+
+
+def test_a_snapshot_leaves_inferred_blocks_out() -> None:
+    """What tracks inferred blocks (to drop them at a removal the index cannot place) does not
+    survive a restore, so a snapshot carries only what the engines announced."""
+    core = _core()
+    fleet = Fleet(core, {"w0": LruEngine(block_size=BS, capacity_blocks=1000)})
+    head = list(range(4 * BS))
+    fleet.request(head + [50] * BS)
+    fleet.seq["w0"] += 1  # one batch lost
+    fleet.request(head + [51] * BS)
+    fleet.request(head + [52] * BS)
+    assert core.ingestor.status("w0").inferred_blocks == 3
+    index = core.index
+    restored = KvIndex.restore(index.snapshot())
+    assert restored.num_blocks("w0") == index.num_blocks("w0") - 3
+    assert restored.match(head)["w0"] == 0 and index.match(head)["w0"] == 4
+    assert restored.match(head + [52] * BS) == {"w0": 0}
