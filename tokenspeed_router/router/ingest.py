@@ -201,6 +201,7 @@ class _Track:
         "epoch",
         "events_applied",
         "events_rejected",
+        "exact",
         "inferred",
         "inferred_drops",
         "last_batch_ts",
@@ -219,6 +220,8 @@ class _Track:
     def __init__(self, now_s: float) -> None:
         self.state = WorkerState.LIVE
         self.state_since_s = now_s
+        #: every batch since a known-empty point (start, restart, clear of every tier) applied
+        self.exact = True
         self.last_seq: int | None = None
         self.epoch = 0
         self.batches_applied = 0
@@ -553,6 +556,7 @@ class IndexIngestor:
             self._on_cleared(worker)
         t.restarts += 1
         t.clean_batches = 0
+        t.exact = True
         t.recovery = None  # a new engine: nothing it held before is held now
         t.inferred.clear()
         self._set_state(worker, t, WorkerState.LIVE)
@@ -563,6 +567,7 @@ class IndexIngestor:
             self._on_cleared(worker)
         t.resyncs += 1
         t.clean_batches = 0
+        t.exact = False
         t.inferred.clear()
         rec = t.recovery
         if rec is None:
@@ -583,8 +588,7 @@ class IndexIngestor:
             stats = self._index.apply(worker, batch)
         except IndexConsistencyError as err:
             t.batches_rejected += 1
-            self._resync(worker, t, f"batch rejected: {err}")
-            self._apply_recovering(worker, t, batch)
+            self._refused(worker, t, batch, f"batch rejected: {err}")
             return
         except WireError as err:
             # A malformed event (not a lost one): keep the entries, skip that event.
@@ -593,11 +597,27 @@ class IndexIngestor:
             self._salvage(worker, t, batch)
             return
         events = batch.events
+        watch = t.state is not WorkerState.LIVE or not t.exact
         self._applied(
             worker, t, len(events), stats,
-            clears=t.state is not WorkerState.LIVE and any(_clears_everything(e) for e in events),
+            clears=watch and any(_clears_everything(e) for e in events),
             stores=t.state is not WorkerState.LIVE and any(isinstance(e, BlockStored) for e in events),
         )
+
+    def _refused(self, worker: str, t: _Track, batch: KVEventBatch, why: str) -> None:
+        """The index refused a batch whole: a store under a parent it does not know.
+
+        On a worker exact since its last known-empty point, that is a lost event
+        the seq did not reveal (and the refused batch may hold removals): its
+        entries are dropped (a resync). On one that lost events before, it is
+        what the engine kept from then: the batch is taken event by event, its
+        orphans held back, and its entries kept (nothing they claim is wrong).
+        """
+        if t.exact:
+            self._resync(worker, t, why)
+        else:
+            self._incomplete(worker, t, "a store under a block from before a loss")
+        self._apply_recovering(worker, t, batch)
 
     def _apply_raw(self, worker: str, t: _Track, item: BatchReceived) -> bool:
         """The raw path (module docstring): False when the batch must be decoded instead."""
@@ -617,8 +637,7 @@ class IndexIngestor:
             self._applied(worker, t, got.stats.events, got.stats, clears=got.clears_everything, stores=got.stores)
             return
         t.batches_rejected += 1
-        self._resync(worker, t, "batch rejected: a BlockStored's parent is not held")
-        self._apply_recovering(worker, t, item.batch)
+        self._refused(worker, t, item.batch, "batch rejected: a BlockStored's parent is not held")
 
     def _applied(
         self, worker: str, t: _Track, events: int, stats: object, *, clears: bool, stores: bool, clean: bool = True
@@ -632,6 +651,8 @@ class IndexIngestor:
             self._check_inferred(worker, t, stats)
         if self._on_applied is not None:
             self._on_applied(worker, stats)
+        if clears:
+            t.exact = True
         if t.state is WorkerState.LIVE:
             return
         if clears:
@@ -679,8 +700,10 @@ class IndexIngestor:
                 last_clear = i
         t.events_applied += applied
         t.clean_batches = 0
-        if last_clear > last_reject and t.state is WorkerState.RESYNCING:
-            self._set_state(worker, t, WorkerState.LIVE)
+        if last_clear > last_reject:
+            t.exact = True
+            if t.state is WorkerState.RESYNCING:
+                self._set_state(worker, t, WorkerState.LIVE)
 
     # --- recovery (router/recovery.py) ------------------------------------------------
 
@@ -763,8 +786,8 @@ class IndexIngestor:
         blocks = self._num_blocks(worker) if self._num_blocks is not None else -1
         stats = ApplyStats(totals[0], totals[1], totals[2], totals[3], totals[4], totals[5], blocks)
         self._applied(
-            worker, t, applied, stats, clears=clears, stores=stores and not rejected,
-            clean=held == 0 and not rec.pool,
+            worker, t, applied, stats, clears=clears, stores=stores,
+            clean=held == 0 and not rejected and not rec.pool,
         )
 
     def _apply_one(self, worker: str, t: _Track, event: Event, ts: float, rank: int | None, totals: list[int]) -> int:
