@@ -755,21 +755,13 @@ class IndexIngestor:
                     held += 1
                     continue
                 rec.forget_anchors(rest.block_hashes)
-                try:
-                    self._apply_one(worker, t, rest, ts, rank, totals)
-                except (IndexConsistencyError, WireError) as err:
-                    t.events_rejected += 1
+                if not self._try_apply(worker, t, rest, ts, rank, totals):
                     rejected += 1
-                    logger.debug("worker=%s event rejected: %s", worker, err)
                     continue
                 applied += 1
             else:
-                try:
-                    self._apply_one(worker, t, event, ts, rank, totals)
-                except (IndexConsistencyError, WireError) as err:
-                    t.events_rejected += 1
+                if not self._try_apply(worker, t, event, ts, rank, totals):
                     rejected += 1
-                    logger.debug("worker=%s event rejected: %s", worker, err)
                     continue
                 applied += 1
                 if event.medium is None:
@@ -789,6 +781,18 @@ class IndexIngestor:
             worker, t, applied, stats, clears=clears, stores=stores,
             clean=held == 0 and not rejected and not rec.pool,
         )
+
+    def _try_apply(
+        self, worker: str, t: _Track, event: Event, ts: float, rank: int | None, totals: list[int]
+    ) -> bool:
+        """:meth:`_apply_one`, counting an event the index refuses instead (False)."""
+        try:
+            self._apply_one(worker, t, event, ts, rank, totals)
+        except (IndexConsistencyError, WireError) as err:
+            t.events_rejected += 1
+            logger.debug("worker=%s event rejected: %s", worker, err)
+            return False
+        return True
 
     def _apply_one(self, worker: str, t: _Track, event: Event, ts: float, rank: int | None, totals: list[int]) -> int:
         """Apply one event to the index; add its stats to ``totals``; returns its unknown removals."""
@@ -916,11 +920,7 @@ class IndexIngestor:
         while pending:
             ops = rec.pool.take(pending.pop())
             for op in ops:
-                try:
-                    self._apply_one(worker, t, op, ts, rank, totals)
-                except (IndexConsistencyError, WireError) as err:
-                    t.events_rejected += 1
-                    logger.debug("worker=%s held-back event rejected: %s", worker, err)
+                if not self._try_apply(worker, t, op, ts, rank, totals):
                     continue
                 t.events_applied += 1
                 if isinstance(op, BlockStored):
