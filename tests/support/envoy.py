@@ -1,14 +1,10 @@
 """Envoy's side of ext_proc, for the endpoint picker's tests and benchmarks (not a test module).
 
-No Envoy binary runs here: this module sends the picker exactly the messages
-Envoy's ext_proc filter sends (the generated ``envoy.service.ext_proc.v3``
-protos, over real gRPC on loopback), in the order the filter sends them for
-each ``processing_mode``, and reads the answers back:
+No Envoy binary runs here: the picker gets exactly the messages Envoy's
+ext_proc filter sends (``tokenspeed_router.epp.client`` builds them from the
+generated ``envoy.service.ext_proc.v3`` protos; over real gRPC on loopback),
+in the order the filter sends them for each ``processing_mode``:
 
-* :func:`request_headers` (with ``protocol_config`` and the subset hint in
-  ``metadata_context``, as Envoy sets them), :func:`request_body`,
-  :func:`request_trailers`, :func:`response_headers` (the served endpoint in
-  ``envoy.lb`` filter metadata), :func:`response_body`, :func:`response_trailers`;
 * :class:`ExtProcStream`: one bidirectional stream (send, receive with a
   deadline, half-close, cancel);
 * :func:`envoy_request`: a whole request's exchange in one of the modes.
@@ -23,74 +19,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
-from google.protobuf import struct_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-Mode = processing_mode_pb2.ProcessingMode
-FULL_DUPLEX = Mode.FULL_DUPLEX_STREAMED
-BUFFERED = Mode.BUFFERED
-STREAMED = Mode.STREAMED
-NONE = Mode.NONE
+from tokenspeed_router.epp.client import (
+    BUFFERED,
+    FULL_DUPLEX,
+    NONE,
+    STREAMED,
+    destination,
+    health,
+    request_body,
+    request_headers,
+    request_trailers,
+    response_body,
+    response_headers,
+    set_headers,
+)
 
-
-def _headers(pairs: dict[str, str]) -> base_pb2.HeaderMap:
-    # Envoy sends raw_value (bytes) and leaves value empty
-    return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])
-
-
-def _meta(namespace: str, key: str, value: Any) -> base_pb2.Metadata:
-    meta = base_pb2.Metadata()
-    s = struct_pb2.Struct()
-    s.update({key: value})
-    meta.filter_metadata[namespace].CopyFrom(s)
-    return meta
-
-
-def request_headers(path: str = "/v1/completions", *, method: str = "POST", end_of_stream: bool = False,
-                    extra: dict[str, str] | None = None, subset: Any = None,
-                    modes: tuple[int, int] | None = (FULL_DUPLEX, FULL_DUPLEX)) -> pb.ProcessingRequest:
-    """The first message: the request headers (pseudo-headers included), ``protocol_config``
-    (request and response body modes; None: an older Envoy that sends none) and the subset
-    hint (``envoy.lb.subset_hint``) when given."""
-    pairs = {":authority": "inference-gateway", ":path": path, ":method": method, ":scheme": "http",
-             "content-type": "application/json", "x-request-id": "5f1c0d8e-test", **(extra or {})}
-    msg = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=_headers(pairs), end_of_stream=end_of_stream))
-    if modes is not None:
-        msg.protocol_config.CopyFrom(pb.ProtocolConfiguration(request_body_mode=modes[0],
-                                                               response_body_mode=modes[1]))
-    if subset is not None:
-        msg.metadata_context.CopyFrom(_meta("envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset", subset))
-    return msg
-
-
-def request_body(chunk: bytes, end_of_stream: bool) -> pb.ProcessingRequest:
-    return pb.ProcessingRequest(request_body=pb.HttpBody(body=chunk, end_of_stream=end_of_stream))
-
-
-def request_trailers() -> pb.ProcessingRequest:
-    return pb.ProcessingRequest(request_trailers=pb.HttpTrailers(trailers=_headers({"x-trailer": "1"})))
-
-
-def response_headers(status: int = 200, content_type: str = "text/event-stream", *, served: str | None = None,
-                     end_of_stream: bool = False) -> pb.ProcessingRequest:
-    msg = pb.ProcessingRequest(response_headers=pb.HttpHeaders(
-        headers=_headers({":status": str(status), "content-type": content_type}), end_of_stream=end_of_stream))
-    if served is not None:
-        msg.metadata_context.CopyFrom(_meta("envoy.lb", "x-gateway-destination-endpoint-served", served))
-    return msg
-
-
-def response_body(chunk: bytes, end_of_stream: bool) -> pb.ProcessingRequest:
-    return pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk, end_of_stream=end_of_stream))
-
-
-def response_trailers() -> pb.ProcessingRequest:
-    return pb.ProcessingRequest(response_trailers=pb.HttpTrailers(trailers=_headers({"grpc-status": "0"})))
-
+__all__ = ["BUFFERED", "FULL_DUPLEX", "NONE", "STREAMED", "ExtProcStream", "envoy_request", "health",
+           "request_body", "request_headers", "request_trailers", "response_body", "response_headers",
+           "set_headers"]
 
 _END = object()
 
@@ -152,22 +101,6 @@ class ExtProcStream:
         """Wait for the picker to end the stream."""
         self._reader.join(timeout_s)
         assert not self._reader.is_alive(), "the picker did not end the stream"
-
-
-def destination(answer: pb.ProcessingResponse) -> tuple[str, str]:
-    """(header value, ``envoy.lb`` metadata value) of the answer that names the endpoint."""
-    common = (answer.request_headers.response if answer.HasField("request_headers")
-              else answer.request_body.response)
-    header = next((h.header.raw_value.decode() or h.header.value for h in common.header_mutation.set_headers
-                   if h.header.key == "x-gateway-destination-endpoint"), "")
-    meta = answer.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
-    return header, meta.string_value
-
-
-def set_headers(answer: pb.ProcessingResponse) -> dict[str, str]:
-    kind = answer.WhichOneof("response")
-    common = getattr(answer, kind).response
-    return {h.header.key: h.header.raw_value.decode() or h.header.value for h in common.header_mutation.set_headers}
 
 
 @dataclass
@@ -265,13 +198,3 @@ def envoy_request(channel: grpc.Channel, body: bytes, *, path: str = "/v1/comple
         return out
     finally:
         stream.cancel()
-
-
-def health(channel: grpc.Channel, service: str, timeout_s: float = 5.0) -> str:
-    """``grpc.health.v1.Health/Check`` of ``service``: SERVING, NOT_SERVING, or the gRPC code's name."""
-    stub = health_pb2_grpc.HealthStub(channel)
-    try:
-        answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-    except grpc.RpcError as err:
-        return err.code().name
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)

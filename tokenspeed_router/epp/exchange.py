@@ -99,10 +99,14 @@ class Exchange:
             return self._pass_through(msg, kind)
         raise OpenAIError(400, f"unexpected ext_proc message {kind!r}")
 
-    def close(self, reason: str = "aborted") -> None:
-        """The stream ended: release the request if its answer did not end it."""
-        if self.pick is not None and not self.pick.released:
-            self._picker.release(self.pick, reason)
+    def close(self) -> None:
+        """The stream ended: release the request if its answer did not end it. With
+        ``response_body_mode: NONE`` the stream's end after the response headers is the
+        answer's end; any other early end is an abort (Envoy dropped the stream)."""
+        pick = self.pick
+        if pick is not None and not pick.released:
+            done = self._response_mode == BodyMode.NONE and pick.status != 0
+            self._picker.release(pick, "completed" if done else "aborted")
 
     # --- request phase ------------------------------------------------------------------
 
