@@ -12,6 +12,8 @@ router holds no request in flight.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -327,6 +329,27 @@ def test_a_fallback_that_served_moves_the_load_and_marks_the_primary_down(
     s.done()
     assert gw.metric("tokenspeed_epp_requests_total", outcome="fallback_served") >= 1
     assert gw.metric("tokenspeed_gateway_worker_down_events_total") >= down_before + 1  # the primary: probed
+    no_leak(gw)
+
+
+def test_doctor_checks_the_picker(epp: tuple[Gateway, grpc.Channel, str]) -> None:
+    gw, _, address = epp
+    proc = subprocess.run([sys.executable, "-m", "tokenspeed_router.cli", "doctor", "--router", gw.serve.url,
+                           "--epp", address, "--json", "--timeout", "20"], capture_output=True, text=True,
+                          timeout=120)
+    report = json.loads(proc.stdout)
+    [entry] = [e for e in report["engines"] if e["worker"] == f"epp {address}"]
+    assert entry["ok"], entry
+    assert [c["name"] for c in entry["checks"]] == ["epp_health", "epp_pick"]
+    named = entry["checks"][1]["detail"].split()[1].split(",")[0]
+    assert named in {_endpoint(e.url) for e in gw.engines}
+    # a picker that is not there is a failed check with its cause, not a crash
+    proc = subprocess.run([sys.executable, "-m", "tokenspeed_router.cli", "doctor", "--router", gw.serve.url,
+                           "--epp", f"127.0.0.1:{free_tcp_port()}", "--json", "--timeout", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    [entry] = [e for e in json.loads(proc.stdout)["engines"] if e["worker"].startswith("epp ")]
+    assert not entry["ok"] and all(c["cause"] for c in entry["checks"])
     no_leak(gw)
 
 

@@ -28,8 +28,11 @@ OpenAI-shaped body): the exchange answers them as ImmediateResponses.
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import itertools
 import logging
+import socket
 import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -60,10 +63,12 @@ from tokenspeed_router.gateway.truth import TruthLoop
 from tokenspeed_router.gateway.upstream import Target, Upstreams
 from tokenspeed_router.router.decision import RouteDecision
 
-__all__ = ["EndpointPicker", "EppStats", "Pick", "PickerHost", "PickerSettings", "endpoint_of"]
+__all__ = ["EndpointPicker", "EppStats", "Pick", "PickerHost", "PickerSettings", "resolve_endpoint"]
 
 logger = logging.getLogger(__name__)
 
+#: how often workers' host names are resolved again
+ENDPOINT_REFRESH_S = 10.0
 #: a JSON answer's bytes kept to read its usage at the end (larger answers are not learned from)
 _MAX_KEPT_ANSWER = 4 << 20
 _EXPLAIN = EXPLAIN_HEADER.decode()
@@ -98,11 +103,23 @@ class EppStats:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
 
-def endpoint_of(url: str) -> str:
-    """A worker ``url=`` as the ``host:port`` the picker names (the scheme's port when none is given)."""
+def resolve_endpoint(url: str) -> str:
+    """A worker ``url=`` as the ``ip:port`` the picker names: the protocol names endpoints by
+    address (Envoy's ORIGINAL_DST cluster connects to it; the subset hint lists pod IPs), so a
+    host name (a StatefulSet pod's stable DNS name) is resolved. Blocking (DNS): called off the
+    event loop except for a worker's very first pick; unresolvable names stay as they are."""
     parts = urlsplit(url)
     host = parts.hostname or ""
     port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as err:
+            logger.warning("endpoint picker: cannot resolve %s (%s): naming it %s:%d", host, err, host, port)
+        else:
+            host = str(infos[0][4][0])
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -160,10 +177,21 @@ class EndpointPicker:
     # --- endpoints ---------------------------------------------------------------------
 
     def endpoint(self, target: Target) -> str:
+        """``target``'s ``ip:port`` (resolved once, then kept fresh by :meth:`refresh_endpoints`)."""
         ep = self._endpoints.get(target.url)
         if ep is None:
-            ep = self._endpoints[target.url] = endpoint_of(target.url)
+            ep = self._endpoints[target.url] = resolve_endpoint(target.url)
         return ep
+
+    async def refresh_endpoints(self, interval_s: float = ENDPOINT_REFRESH_S) -> None:
+        """Resolve the workers' host names again every ``interval_s`` (a pod restarted with a new IP)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for url in [t.url for t in self._up.targets().values()]:
+                ep = await asyncio.to_thread(resolve_endpoint, url)
+                if self._endpoints.get(url) != ep:
+                    logger.info("endpoint picker: %s is now %s", url, ep)
+                    self._endpoints[url] = ep
 
     def allowed(self, subset: Sequence[str] | None) -> frozenset[str] | None:
         """The streams the subset hint allows (None: no hint, every worker). An entry is

@@ -102,6 +102,7 @@ class EppServer:
         if not is_loopback_host(config.address.host):
             logger.info("endpoint picker listening on non-loopback %s (plaintext gRPC)", self.address)
         self._server: Any = None
+        self._refresh: asyncio.Future[None] | None = None
         self._ready: tuple[bool, str] | None = None
         self.started = threading.Event()
 
@@ -132,12 +133,16 @@ class EppServer:
         self.address = HostPort(self.address.host, port)
         await server.start()
         self._server = server
+        self._refresh = asyncio.ensure_future(self.picker.refresh_endpoints())
         logger.info("endpoint picker (ext_proc) on %s", self.address)
         self.ready()
         self.started.set()
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop taking streams; those open get ``grace_s`` to end (each releases what it holds)."""
+        if self._refresh is not None:
+            self._refresh.cancel()
+            self._refresh = None
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
