@@ -354,16 +354,19 @@ def test_doctor_checks_the_picker(epp: tuple[Gateway, grpc.Channel, str]) -> Non
 
 
 def test_shedding_and_readiness_before_sync(tmp_path: Path) -> None:
-    """--epp-max-in-flight 1 answers 429 to the second request; a worker whose stream never
-    connects keeps readiness NOT_SERVING while liveness is SERVING."""
+    """--epp-fallbacks 0 names one endpoint (an ORIGINAL_DST cluster reads one); --epp-max-in-flight 1
+    answers 429 to the second request; a worker whose stream never connects keeps readiness
+    NOT_SERVING while liveness is SERVING."""
     port = free_tcp_port()
-    with Gateway(tmp_path, [[]], serve_args=["--epp", f"127.0.0.1:{port}", "--epp-max-in-flight", "1"]) as gw:
+    with Gateway(tmp_path, [[], []], serve_args=["--epp", f"127.0.0.1:{port}", "--epp-max-in-flight", "1",
+                                                 "--epp-fallbacks", "0"]) as gw:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         wait_until(lambda: health(channel, "readiness") == "SERVING", 30, what="ready")
         held = ExtProcStream(channel)
         held.send(request_headers())
         held.send(request_body(json.dumps({"prompt": PROMPT}).encode(), True))
-        held.recv_n(2)
+        named = set_headers(held.recv_n(2)[0])["x-gateway-destination-endpoint"]
+        assert named in {_endpoint(e.url) for e in gw.engines}  # one ip:port, no fallbacks
         got = envoy_request(channel, json.dumps({"prompt": PROMPT}).encode())
         assert got.immediate is not None and got.immediate.status.code == 429
         held.cancel()

@@ -79,7 +79,7 @@ class PickerHost(GatewayHost, Protocol):
     """The router process as the picker sees it: the gateway's calls, and the ranked pick."""
 
     def pick(self, token_ids: list[int], *, request_id: str | None = None, explain: bool = False,
-             only: Collection[str] | None = None) -> tuple[RouteDecision, tuple[str, ...]]: ...
+             only: Collection[str] | None = None, ranked: bool = True) -> tuple[RouteDecision, tuple[str, ...]]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,7 +237,8 @@ class EndpointPicker:
 
         def decide() -> RouteDecision:
             nonlocal ranking
-            decision, ranking = self._service.pick(tokens, request_id=request_id, explain=explain, only=only)
+            decision, ranking = self._service.pick(tokens, request_id=request_id, explain=explain, only=only,
+                                                   ranked=self.settings.fallbacks > 0)
             return decision
 
         try:
@@ -293,7 +294,7 @@ class EndpointPicker:
         only = self.allowed(subset)
         request_id = f"{self._id_prefix}{next(self._ids)}"
         plan = self._books.plan_with(
-            lambda: self._service.pick([], request_id=request_id, only=only)[0], [])
+            lambda: self._service.pick([], request_id=request_id, only=only, ranked=False)[0], [])
         self._books.release(request_id)
         self.stats.count("routed_without_body")
         return [self.endpoint(plan.decode)]
@@ -322,7 +323,8 @@ class EndpointPicker:
         tokens = pick.tokens
         try:
             pick.plan = self._books.plan_with(
-                lambda: self._service.pick(tokens, request_id=plan.request_id, only=streams)[0], tokens)
+                lambda: self._service.pick(tokens, request_id=plan.request_id, only=streams, ranked=False)[0],
+                tokens)
         except OpenAIError as err:  # the fallback left routing meanwhile: the request is still released at its end
             logger.warning("request %s served on %s: not counted there (%s)", pick.request_id, endpoint, err.message)
 

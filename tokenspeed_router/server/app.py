@@ -586,15 +586,17 @@ class RouterService:
         request_id: str | None = None,
         explain: bool = False,
         only: Collection[str] | None = None,
+        ranked: bool = True,
     ) -> tuple[RouteDecision, tuple[str, ...]]:
         """:meth:`route` for the endpoint picker (``epp/``): the same decision, counted and
         sampled alike, among ``only`` when given (the subset hint), with every candidate
-        of the chosen worker's pool ranked by cost, cheapest first (the fallbacks).
+        of the chosen worker's pool ranked by cost, cheapest first (the fallbacks; ``ranked``
+        False: none, and no cost terms recorded).
 
         The ranking comes from the cost terms an explanation records; the decision
         carries ``explanation`` only when it was asked for or sampled, as from :meth:`route`.
         """
-        return self._route(token_ids, request_id, None, None, explain, True, only)
+        return self._route(token_ids, request_id, None, None, explain, ranked, only)
 
     def _route(
         self, token_ids: list[int], request_id: str | None, lora_id: int | str | None, salt: str | None,
