@@ -48,7 +48,16 @@ from typing import Any
 
 import grpc
 import httpx
-from bench_gateway import Proc, _bodies, _cpu_s, _engine, _pct, _prompts, _wait_http, fixed_rate
+from bench_gateway import (
+    Proc,
+    _bodies,
+    _cpu_s,
+    _pct,
+    _prompts,
+    _wait_http,
+    fixed_rate,
+    start_engines,
+)
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
 from tokenspeed_router.endpoints import free_tcp_port
@@ -539,11 +548,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-epp-") as tmp:
         workdir = Path(tmp)
         try:
-            engines = []
-            for i in range(args.engines):
-                p, info = _engine(workdir, i)
-                procs.append(p)
-                engines.append(info)
+            engines = start_engines(workdir, args.engines, procs)
             if "agreement" in parts:
                 results["agreement"] = agreement(workdir, engines, 60 if quick else 600, (1, 4))
             if "cost" in parts:
