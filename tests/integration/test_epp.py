@@ -379,3 +379,24 @@ def test_shedding_and_readiness_before_sync(tmp_path: Path) -> None:
         assert health(channel, "envoy.service.ext_proc.v3.ExternalProcessor") == "NOT_SERVING"
         channel.close()
 
+
+
+def test_the_picker_without_the_http_api(tmp_path: Path) -> None:
+    """``--http none``: the picker runs on a loop of its own; SIGTERM stops it cleanly."""
+    port, events = free_tcp_port(), free_tcp_port()
+    log = (tmp_path / "serve.stderr").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "tokenspeed_router.cli", "serve", "--http", "none",
+                             "--epp", f"127.0.0.1:{port}", "--worker",
+                             f"name=w0,url=http://127.0.0.1:9,events=tcp://127.0.0.1:{events}"],
+                            stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        wait_until(lambda: health(channel, "liveness") == "SERVING", 30, what="the picker to answer")
+        assert health(channel, "readiness") == "NOT_SERVING"  # nobody publishes w0's events
+        got = envoy_request(channel, json.dumps({"prompt": PROMPT}).encode())
+        assert got.endpoint == got.metadata == "127.0.0.1:9"
+        channel.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0, (tmp_path / "serve.stderr").read_text()
+        log.close()
