@@ -365,6 +365,7 @@ def cost(workdir: Path, engines: list[dict[str, Any]], rate: float, duration_s: 
         asyncio.run(_picker_paced(epp_port, bodies, rate, 1.0))
         for r in range(rounds):
             names = ["gateway", *modes]
+            rtts: dict[str, list[float]] = {name: [] for name in modes}
             cpu = dict.fromkeys(names, 0.0)
             count = dict.fromkeys(names, 0)
             errors = dict.fromkeys(names, 0)
@@ -377,7 +378,7 @@ def cost(workdir: Path, engines: list[dict[str, Any]], rate: float, duration_s: 
                 for name, mode in modes.items():
                     c0 = _cpu_s(pid)
                     done, bad = asyncio.run(_picker_paced(epp_port, bodies, rate, duration_s / slices,
-                                                          response_mode=mode))
+                                                          response_mode=mode, req_rtts=rtts[name]))
                     cpu[name] += _cpu_s(pid) - c0
                     count[name] += done
                     errors[name] += bad
@@ -386,6 +387,9 @@ def cost(workdir: Path, engines: list[dict[str, Any]], rate: float, duration_s: 
                                    for name in names}
             for name in modes:
                 row[f"{name}_ratio"] = row[name]["cpu_us_per_request"] / row["gateway"]["cpu_us_per_request"]
+                # the request phase's round trip at this rate: what the picker adds before Envoy forwards
+                row[name]["request_phase_p50_ms"] = _pct(rtts[name], 0.5) * 1e3
+                row[name]["request_phase_p99_ms"] = _pct(rtts[name], 0.99) * 1e3
             per_round.append(row)
             print(f"cost round {r + 1}: " + ", ".join(f"{n} {row[n]['cpu_us_per_request']:.0f} us/req"
                                                      for n in names)
@@ -399,6 +403,7 @@ def cost(workdir: Path, engines: list[dict[str, Any]], rate: float, duration_s: 
         out[f"{name}_cpu_us"] = _summary([r[name]["cpu_us_per_request"] for r in per_round])
     for name in modes:
         out[f"{name}_ratio"] = _summary([r[f"{name}_ratio"] for r in per_round])
+        out[f"{name}_request_phase_p99_ms"] = _summary([r[name]["request_phase_p99_ms"] for r in per_round])
     return out
 
 
@@ -563,7 +568,11 @@ def main() -> int:
             for p in reversed(procs):
                 p.stop()
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        out = Path(args.json)
+        if args.only and out.exists():  # a rerun of some parts keeps the others' figures
+            results = {**json.loads(out.read_text()), **{k: v for k, v in results.items() if k != "config"},
+                       f"config_{'_'.join(sorted(parts))}": results["config"]}
+        out.write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
 
