@@ -653,8 +653,14 @@ class IndexIngestor:
             self._on_applied(worker, stats)
         if clears:
             t.exact = True
-        if t.state is WorkerState.LIVE:
-            return
+        if t.state is not WorkerState.LIVE:
+            self._move_state(worker, t, clears=clears, stores=stores, clean=clean)
+        rec = t.recovery
+        if rec is not None and t.state is WorkerState.LIVE and rec.settled:
+            t.recovery = None
+
+    def _move_state(self, worker: str, t: _Track, *, clears: bool, stores: bool, clean: bool) -> None:
+        """A batch applied to a worker that is not live: does it make it live?"""
         if clears:
             t.clean_batches = 0
             self._set_state(worker, t, WorkerState.LIVE)
@@ -665,9 +671,6 @@ class IndexIngestor:
                 self._set_state(worker, t, WorkerState.LIVE)
         elif t.state is WorkerState.STALE:
             self._set_state(worker, t, WorkerState.LIVE)
-        rec = t.recovery
-        if rec is not None and t.state is WorkerState.LIVE and rec.settled:
-            t.recovery = None
 
     def _recovered(self, worker: str, t: _Track) -> bool:
         """The ``resyncing`` -> ``live`` rule (module docstring), clears aside."""
