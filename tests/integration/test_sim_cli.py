@@ -97,9 +97,13 @@ def test_ctrl_c_during_simulate_keeps_the_finished_policies(tmp_path: Path) -> N
     ) as proc:
 
         def pump() -> None:
+            # Whole chunks as they come (os.read): a reader of one character at a time fell seconds
+            # behind the child on a loaded machine, saw the second policy start after the last one
+            # had finished, and interrupted a process that had already exited 0.
             assert proc.stderr is not None
-            while chunk := proc.stderr.read(1):
-                stderr.append(chunk)
+            fd = proc.stderr.fileno()
+            while chunk := os.read(fd, 65536):
+                stderr.append(chunk.decode(errors="replace"))
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
