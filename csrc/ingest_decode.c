@@ -713,8 +713,10 @@ PyObject *raw_apply(Core *c, int s, const void *data, Py_ssize_t len, long bs, u
         return NULL;
     }
     if (rc != RAW_OK) Py_RETURN_NONE;
-    return Py_BuildValue("dnlllllliilnn", bts, nev, o.stored, o.dup, o.removed, o.unknown, o.cleared, o.mismatch,
-                         flags, o.unknown_parent, o.rejected, o.last_clear, o.last_reject);
+    /* the worker's blocks after the batch (what Core.info counts first; the writer reads its own len) */
+    Py_ssize_t blocks = (Py_ssize_t)c->w[s].ext.len;
+    return Py_BuildValue("dnlllllliilnnn", bts, nev, o.stored, o.dup, o.removed, o.unknown, o.cleared, o.mismatch,
+                         flags, o.unknown_parent, o.rejected, o.last_clear, o.last_reject, blocks);
 }
 
 /* scan_batch(payload) -> the batch timestamp when apply_raw could take it whole

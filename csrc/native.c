@@ -16,6 +16,8 @@
  *   core_type.[ch] the Python type Core that drives the index core
  *   hashing.c    hash_blocks, chain_hash
  *   msgpack.c    msgpack_tokens: a request's raw token_ids array -> native u64s
+ *   zmq_drain.c  zmq_link, zmq_drain: every message waiting on a ZeroMQ socket in one call
+ *                (through the libzmq pyzmq loaded)
  *
  * What it holds (the semantics are those of tokenspeed_router/router/index_reference.py,
  * the readable pure-Python model; router/index.py drives both the same way):
@@ -85,6 +87,8 @@ static PyMethodDef mod_methods[] = {
     {"msgpack_tokens", mod_msgpack_tokens, METH_O, "a msgpack array of token ids in [0, 2**63) -> native u64 bytes"},
     {"scan_batch", mod_scan_batch, METH_O, "scan_batch(payload) -> ts when apply_raw can take it, else None"},
     {"set_media", mod_set_media, METH_O, "set_media([(name, code), ...]): the tier spellings of the raw decoder"},
+    {"zmq_link", mod_zmq_link, METH_O, "zmq_link(path) -> bool: use the libzmq pyzmq loaded from path"},
+    {"zmq_drain", mod_zmq_drain, METH_VARARGS, "zmq_drain(socket_address, max) -> every waiting message's frames"},
     {"_fail_alloc_after", mod_fail_alloc_after, METH_O, "tests only: make the n-th allocation from now fail (0: off)"},
     {NULL, NULL, 0, NULL},
 };

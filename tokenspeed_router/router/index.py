@@ -243,6 +243,9 @@ class KvIndex:
         self._block_size: dict[str, int | None] = {}
         self._counters: dict[str, list[int]] = {}
         self._roots: dict[tuple[Any, Any], int] = {}
+        #: the compiled core's raw apply (not in IndexCore: the reference core has none)
+        self._raw = getattr(self._core, "apply_raw", None)
+        self._plain_root = self._root(None, None)  # no LoRA, no salt: what the raw path serves
 
     # ------------------------------------------------------------------ workers
 
@@ -393,16 +396,17 @@ class KvIndex:
         :meth:`apply`; ``salvage=True`` applies event by event instead,
         skipping stores whose parent is unknown (``IndexIngestor``'s salvage).
         """
-        raw = getattr(self._core, "apply_raw", None)  # the compiled core's only (not in IndexCore)
-        if raw is None or worker not in self._counters:
+        raw = self._raw
+        if raw is None:
             return None
-        bs = self._block_size[worker]
-        if bs is None:
+        bs = self._block_size.get(worker)
+        if bs is None:  # an unknown worker, or one without a block grid yet
             return None
-        got = raw(worker, payload, bs, self._root(None, None), salvage)
+        got = raw(worker, payload, bs, self._plain_root, salvage)
         if got is None:
             return None
-        ts, events, stored, dup, removed, unknown, cleared, mismatch, flags, refused, rejected, last_clear, last_reject = got
+        (ts, events, stored, dup, removed, unknown, cleared, mismatch, flags, refused, rejected, last_clear,
+         last_reject, blocks) = got
         mine = self._counters[worker]
         if refused:
             mine[_UNKNOWN_PARENTS] += 1
@@ -412,7 +416,7 @@ class KvIndex:
             mine[_TIER_MISMATCHES] += mismatch
             mine[_DUPLICATES] += dup
             mine[_UNKNOWN_PARENTS] += rejected
-            stats = ApplyStats(events, stored, dup, removed, unknown, cleared, self.worker_info(worker).blocks)
+            stats = ApplyStats(events, stored, dup, removed, unknown, cleared, blocks)
         return RawApplied(
             ts, stats, bool(flags & 1), bool(flags & 2), bool(refused), rejected, last_clear, last_reject
         )

@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenspeed_router.router.core import RoutingCore
 from tokenspeed_router.router.router import WorkerRole
-from tokenspeed_router.server.apply_queue import LagStatus
+from tokenspeed_router.server.ingest_lag import LagStatus
 from tokenspeed_router.server.metrics import WorkerSample
 from tokenspeed_router.server.workers import WorkerRegistry
 
