@@ -107,7 +107,7 @@ HANDSHAKE_DEADLINE_S = 5.0
 TOPIC_PROBE_AFTER_S = 5.0
 _POLL_MS = 20
 #: a pass that applied something starts the next one no sooner than this after it began
-PASS_INTERVAL_S = 0.002
+PASS_INTERVAL_S = 0.005
 _STALE_CHECK_S = 0.05
 #: How long the loop blocks on its command queue while it holds no stream.
 _IDLE_WAIT_S = 1.0
