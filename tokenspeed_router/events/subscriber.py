@@ -491,7 +491,7 @@ class EventSubscriber:
             return self._drain(max_messages)
         sock = self._sub
         out: list[list[bytes]] = []
-        while len(out) < max_messages and sock.getsockopt(_EVENTS) & _POLLIN:
+        while len(out) < max_messages and int(sock.getsockopt(_EVENTS)) & _POLLIN:
             frames = [sock.recv(_NOBLOCK)]
             while sock.getsockopt(_RCVMORE):
                 frames.append(sock.recv(_NOBLOCK))

@@ -461,8 +461,8 @@ class KvIndex:
                 out.append(applied)
                 if applied.unknown_parent:
                     break
-        if len(out) == len(names) < len(jobs) and (not out or isinstance(out[-1], RawApplied)
-                                                     and not out[-1].unknown_parent):
+        if len(out) == len(names) < len(jobs) and (not out or (isinstance(out[-1], RawApplied)
+                                                     and not out[-1].unknown_parent)):
             out.append(None)  # the job that stopped the run: not taken, nothing of it changed
         return out
 
