@@ -531,12 +531,14 @@ def measure_costs(num_workers: int, prompt_tokens: int, n: int = 3000) -> dict[s
 # --------------------------------------------------------------------------- orchestration
 
 
-def _start_router(streamer: Streamer, http_port: int, zmq_ep: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+def _start_router(streamer: Streamer, http_port: int, zmq_ep: str, env: dict[str, str],
+                  checkout: Path = REPO) -> subprocess.Popen[bytes]:
+    """``serve`` of ``checkout``'s package (its compiled core built in place), following the streamer."""
     args = [sys.executable, "-m", "tokenspeed_router.cli", "--log-level", "WARNING", "serve",
             "--http", f"127.0.0.1:{http_port}", "--zmq-api", zmq_ep]
     for w, pub in enumerate(streamer.pubs):
         args += ["--worker", f"name=w{w},events={pub.endpoint},replay={pub.replay_endpoint}"]
-    proc = subprocess.Popen(args, cwd=REPO, env=env)
+    proc = subprocess.Popen(args, cwd=checkout, env={**env, "PYTHONPATH": str(checkout)})
     import httpx
 
     deadline = time.monotonic() + 60
@@ -740,6 +742,10 @@ def main() -> int:
     parser.add_argument("--profile", metavar="DIR",
                         help="py-spy record the router during each cpu and route phase into DIR (its figures then "
                              "carry py-spy's own cost: profile and measure in separate runs)")
+    parser.add_argument("--router-checkout", metavar="DIR",
+                        help="run the router from another checkout of the project (an A/B: e.g. a `git worktree` "
+                             "of main with its compiled core built in place, `setup.py build_ext --inplace`); "
+                             "run the in-process costs of it with PYTHONPATH=DIR")
     parser.add_argument("--profile-idle", action="store_true", help="--profile with the waiting threads' samples")
     args = parser.parse_args()
     if args.role == "loadgen":
@@ -761,7 +767,7 @@ def main() -> int:
             return _write(args, results)
     streamer = Streamer(args.workers)
     http_port, zmq_ep = free_tcp_port(), f"tcp://127.0.0.1:{free_tcp_port()}"
-    router = _start_router(streamer, http_port, zmq_ep, env)
+    router = _start_router(streamer, http_port, zmq_ep, env, Path(args.router_checkout or REPO))
     thread_names = _thread_names(router.pid)
     rounds: list[dict[str, Any]] = []
     probe_base = 0
@@ -849,9 +855,12 @@ def main() -> int:
             proc = _loadgen({**base, "mode": kind, "rate": 0}, env)
             if args.profile:
                 _profile(router.pid, args.profile, f"{kind}-route", duration, idle=args.profile_idle)
+            threads0 = _thread_counters(router.pid)
             c0, t0 = _cpu_s(router.pid), time.perf_counter()
             streamer.run(0, duration + 0.5, 0)
             out = _result(proc)
+            out["router_threads"] = _thread_rates(thread_names, threads0, _thread_counters(router.pid),
+                                                  time.perf_counter() - t0)
             out["router_cpu_cores"] = (_cpu_s(router.pid) - c0) / (time.perf_counter() - t0)
             out["router_cpu_us_per_request"] = (out["router_cpu_cores"] * (time.perf_counter() - t0)
                                                 / max(1, out["requests"]) * 1e6)

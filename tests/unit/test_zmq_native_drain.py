@@ -10,7 +10,7 @@ from support.raw_stream import BAD_PAYLOADS, RawStream, bad_frames
 from support.server import batch, stored, tokens
 
 from tokenspeed_router.events.subscriber import BatchReceived, EventSubscriber, SubscriberItem
-from tokenspeed_router.events.zmq_native import drainer
+from tokenspeed_router.events.zmq_native import MAX_FRAMES, drainer
 from tokenspeed_router.router.index import NATIVE_AVAILABLE
 
 pytestmark = pytest.mark.skipif(not NATIVE_AVAILABLE, reason="the compiled core is not built")
@@ -37,7 +37,7 @@ def test_the_native_drain_reads_whole_messages_of_any_shape_and_nothing_when_emp
         a.send(b"last")
         got = drain(3)
         assert got[:2] == [[b"t", b"12345678", b"x" * 5000], [b""]]
-        assert got[2] == [b"%d" % i for i in range(16)]
+        assert got[2] == [b"%d" % i for i in range(MAX_FRAMES)]
         assert drain(3) == [[b"last"]] and drain(3) == []
     finally:
         a.close(linger=0)

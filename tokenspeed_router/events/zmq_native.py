@@ -20,7 +20,11 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["drainer"]
+__all__ = ["MAX_FRAMES", "drainer"]
+
+#: frames of one message a native drain keeps (csrc/zmq_drain.c: more cannot be a valid
+#: message; the rest is read and dropped, so a longer one shows as exactly this many)
+MAX_FRAMES = 16
 
 #: ``drain(max_messages) -> [[frame, ...], ...]``: every whole message waiting, at most that many
 Drain = Callable[[int], list[list[bytes]]]
