@@ -14,5 +14,6 @@ PyObject *mod_msgpack_tokens(PyObject *m, PyObject *arg);
 /* zmq_drain.c */
 PyObject *mod_zmq_link(PyObject *m, PyObject *arg);
 PyObject *mod_zmq_drain(PyObject *m, PyObject *args);
+PyObject *mod_zmq_send_all(PyObject *m, PyObject *args);
 
 #endif

@@ -16,8 +16,8 @@
  *   core_type.[ch] the Python type Core that drives the index core
  *   hashing.c    hash_blocks, chain_hash
  *   msgpack.c    msgpack_tokens: a request's raw token_ids array -> native u64s
- *   zmq_drain.c  zmq_link, zmq_drain: every message waiting on a ZeroMQ socket in one call
- *                (through the libzmq pyzmq loaded)
+ *   zmq_drain.c  zmq_link, zmq_drain, zmq_send_all: every message waiting on a ZeroMQ socket
+ *                read in one call, a list of messages sent in one (through pyzmq's libzmq)
  *
  * What it holds (the semantics are those of tokenspeed_router/router/index_reference.py,
  * the readable pure-Python model; router/index.py drives both the same way):
@@ -89,6 +89,7 @@ static PyMethodDef mod_methods[] = {
     {"set_media", mod_set_media, METH_O, "set_media([(name, code), ...]): the tier spellings of the raw decoder"},
     {"zmq_link", mod_zmq_link, METH_O, "zmq_link(path) -> bool: use the libzmq pyzmq loaded from path"},
     {"zmq_drain", mod_zmq_drain, METH_VARARGS, "zmq_drain(socket_address, max) -> every waiting message's frames"},
+    {"zmq_send_all", mod_zmq_send_all, METH_VARARGS, "zmq_send_all(socket_address, messages) -> messages sent"},
     {"_fail_alloc_after", mod_fail_alloc_after, METH_O, "tests only: make the n-th allocation from now fail (0: off)"},
     {NULL, NULL, 0, NULL},
 };

@@ -44,6 +44,7 @@ static size_t (*p_size)(const zmsg *);
 static int (*p_more)(const zmsg *);
 static int (*p_close)(zmsg *);
 static int (*p_errno)(void);
+static int (*p_send)(void *, const void *, size_t, int);
 
 /* zmq_link(path) -> bool: resolve the message functions of the libzmq already loaded from path. */
 PyObject *mod_zmq_link(PyObject *m, PyObject *arg) {
@@ -58,8 +59,9 @@ PyObject *mod_zmq_link(PyObject *m, PyObject *arg) {
     p_more = (int (*)(const zmsg *))dlsym(h, "zmq_msg_more");
     p_close = (int (*)(zmsg *))dlsym(h, "zmq_msg_close");
     p_errno = (int (*)(void))dlsym(h, "zmq_errno");
+    p_send = (int (*)(void *, const void *, size_t, int))dlsym(h, "zmq_send");
     /* the handle stays open: the functions are used for the life of the process */
-    if (!p_init || !p_recv || !p_data || !p_size || !p_more || !p_close || !p_errno) {
+    if (!p_init || !p_recv || !p_data || !p_size || !p_more || !p_close || !p_errno || !p_send) {
         p_recv = NULL;
         Py_RETURN_FALSE;
     }
@@ -124,4 +126,39 @@ PyObject *mod_zmq_drain(PyObject *m, PyObject *args) {
         Py_DECREF(frames);
     }
     return out;
+}
+
+/* zmq_send_all(socket_address, messages) -> messages sent: each message (a list of bytes
+ * frames) with ZMQ_DONTWAIT, in order; stops at the first frame libzmq refuses (EAGAIN: the
+ * peer is not reading; what a ROUTER socket says only with ZMQ_ROUTER_MANDATORY). The replies
+ * of a burst in one call: pyzmq's send type-checks and builds Enum flags per frame. */
+#define ZSNDMORE 2
+PyObject *mod_zmq_send_all(PyObject *m, PyObject *args) {
+    unsigned long long addr;
+    PyObject *messages;
+    if (!PyArg_ParseTuple(args, "KO!", &addr, &PyList_Type, &messages)) return NULL;
+    if (!p_send) {
+        PyErr_SetString(PyExc_RuntimeError, "zmq_send_all: zmq_link found no libzmq");
+        return NULL;
+    }
+    void *sock = (void *)(uintptr_t)addr;
+    Py_ssize_t n = PyList_GET_SIZE(messages), sent = 0;
+    for (; sent < n; sent++) {
+        PyObject *frames = PyList_GET_ITEM(messages, sent);
+        if (!PyList_Check(frames) || PyList_GET_SIZE(frames) == 0) {
+            PyErr_SetString(PyExc_TypeError, "zmq_send_all: each message is a non-empty list of bytes");
+            return NULL;
+        }
+        Py_ssize_t k = PyList_GET_SIZE(frames);
+        for (Py_ssize_t i = 0; i < k; i++) {
+            PyObject *f = PyList_GET_ITEM(frames, i);
+            if (!PyBytes_Check(f)) {
+                PyErr_SetString(PyExc_TypeError, "zmq_send_all: frames are bytes");
+                return NULL;
+            }
+            if (p_send(sock, PyBytes_AS_STRING(f), (size_t)PyBytes_GET_SIZE(f), ZDONTWAIT | (i + 1 < k ? ZSNDMORE : 0)) < 0)
+                return PyLong_FromSsize_t(sent);
+        }
+    }
+    return PyLong_FromSsize_t(sent);
 }

@@ -1,4 +1,4 @@
-"""The native drain of a SUB socket (csrc/zmq_drain.c) reads what pyzmq reads (real ZeroMQ)."""
+"""The native drain and sender (csrc/zmq_drain.c) read and write what pyzmq does (real ZeroMQ)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from support.raw_stream import BAD_PAYLOADS, RawStream, bad_frames
 from support.server import batch, stored, tokens
 
 from tokenspeed_router.events.subscriber import BatchReceived, EventSubscriber, SubscriberItem
-from tokenspeed_router.events.zmq_native import MAX_FRAMES, drainer
+from tokenspeed_router.events.zmq_native import MAX_FRAMES, drainer, sender
 from tokenspeed_router.router.index import NATIVE_AVAILABLE
 
 pytestmark = pytest.mark.skipif(not NATIVE_AVAILABLE, reason="the compiled core is not built")
@@ -42,6 +42,30 @@ def test_the_native_drain_reads_whole_messages_of_any_shape_and_nothing_when_emp
     finally:
         a.close(linger=0)
         b.close(linger=0)
+        ctx.term()
+
+
+def test_the_native_sender_sends_each_message_whole_and_stops_where_libzmq_refuses() -> None:
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    lonely = ctx.socket(zmq.PAIR)  # no peer: libzmq refuses a send that must not wait (EAGAIN)
+    try:
+        a.bind("inproc://send")
+        b.connect("inproc://send")
+        send = sender(a)
+        assert send is not None
+        messages = [[b"id", b"", b"x" * 5000], [b"one"], [b"%d" % i for i in range(20)]]
+        assert send(messages) == 3
+        assert [b.recv_multipart() for _ in messages] == messages
+        assert send([]) == 0
+        lonely.bind("inproc://nobody")
+        lonely_send = sender(lonely)
+        assert lonely_send is not None and lonely_send([[b"a"], [b"b"]]) == 0
+        with pytest.raises(TypeError):
+            send([[b"a", "not bytes"]])  # type: ignore[list-item]
+    finally:
+        for sock in (a, b, lonely):
+            sock.close(linger=0)
         ctx.term()
 
 

@@ -29,7 +29,7 @@ import zmq
 from tokenspeed_router.auth import check_bearer
 from tokenspeed_router.endpoints import is_loopback_host
 from tokenspeed_router.errors import ConfigError, RouterApiError, TokenspeedError
-from tokenspeed_router.events.zmq_native import MAX_FRAMES, drainer
+from tokenspeed_router.events.zmq_native import MAX_FRAMES, drainer, sender
 from tokenspeed_router.server.api import (
     ZmqHealth,
     ZmqMatch,
@@ -114,13 +114,11 @@ class ZmqApiServer:
         sock = self._sock
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        # send_multipart unrolled with plain int flags: pyzmq's version ORs enum flags (an
-        # Enum call) and type-checks every frame, per request. Requests are read by the native
-        # drain (events/zmq_native.py: one call a burst, no Enum, no raised Again), else by
-        # pyzmq's recv the same way.
-        send = sock.send
-        more = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
+        # A burst of requests is read, and its replies sent, in one native call each
+        # (events/zmq_native.py: no Enum flags, no type checks per frame, no raised Again);
+        # without the extension through pyzmq, its recv/send unrolled with plain int flags.
         drain = drainer(sock) or self._read_burst
+        send_all = sender(sock) or self._send_burst
         try:
             while not self._stop.is_set():
                 if not poller.poll(_POLL_MS):
@@ -133,13 +131,8 @@ class ZmqApiServer:
                 # The burst's replies go out together: the first wakes libzmq's I/O thread (a
                 # write to its mailbox), the others join the pipe it is about to drain, instead
                 # of one wake-up (and one syscall here) per reply.
-                for reply in replies:
-                    try:
-                        for frame in reply[:-1]:
-                            send(frame, more)
-                        send(reply[-1], _NOBLOCK)
-                    except zmq.Again:
-                        logger.debug("ZMQ API reply dropped: peer not reading")
+                if replies and send_all(replies) < len(replies):
+                    logger.debug("ZMQ API replies dropped: peer not reading")
         except zmq.ZMQError as err:
             if err.errno != zmq.ETERM:
                 logger.exception("ZMQ API loop failed")
@@ -161,6 +154,18 @@ class ZmqApiServer:
                 frames.append(sock.recv(_NOBLOCK))
             out.append(frames)
         return out
+
+    def _send_burst(self, replies: list[list[bytes]]) -> int:
+        """Send each reply without waiting through pyzmq (no native sender); how many went."""
+        send, more = self._sock.send, _NOBLOCK | int(zmq.SNDMORE)
+        for sent, reply in enumerate(replies):
+            try:
+                for frame in reply[:-1]:
+                    send(frame, more)
+                send(reply[-1], _NOBLOCK)
+            except zmq.Again:
+                return sent
+        return len(replies)
 
     def _handle_frames(self, frames: list[bytes]) -> list[bytes] | None:
         self.requests += 1
