@@ -509,11 +509,9 @@ class EventSubscriber:
         if self._tracker.advance_if_next(message.seq, message.payload):  # the common case, committed
             self._emit(message, out)
             return
-        verdict = self._tracker.classify(message.seq, message.payload)
+        verdict = self._tracker.classify(message.seq, message.payload)  # not IN_ORDER: committed above
         kind = verdict.kind
-        if kind is VerdictKind.IN_ORDER:  # not reached: advance_if_next took it
-            self._deliver(message, out)
-        elif kind is VerdictKind.DUPLICATE:
+        if kind is VerdictKind.DUPLICATE:
             self._duplicates += 1
         elif kind is VerdictKind.GAP and verdict.covered and self._replay_endpoint is None:
             self._deliver(message, out)  # only filler seqs were skipped: no loss (sequencing.py)
