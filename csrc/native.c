@@ -33,7 +33,7 @@
  * Threading contract (see docs/kv-index.md):
  *   - One writer thread at a time calls the mutating methods (register,
  *     unregister, set_block_size, store, store_hashed, remove, clear, begin,
- *     commit, rollback). Any number of threads may call the readers (match,
+ *     commit, rollback, apply_raw, apply_raw_many). Any number of threads may call the readers (match,
  *     match_detail, info, items, workers) concurrently with it.
  *   - A pthread rwlock guards the tables. Every operation holds it only for
  *     its own work (one event, one query): a query never waits behind a whole
