@@ -108,12 +108,8 @@ class IngestLag:
             w = self._workers[worker] = _Worker(self._clock())
         return w
 
-    def receive_excess(self, item: BatchReceived) -> float:
-        """Seconds this live batch arrived later than the stream's on-time floor (0 if unknown)."""
-        with self._lock:
-            return self._excess(item)
-
     def _excess(self, item: BatchReceived) -> float:
+        """Seconds this live batch arrived later than the stream's on-time floor (0 if unknown)."""
         ts = item.batch_ts
         if item.replayed or not ts > 0:
             return 0.0
