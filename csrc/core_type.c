@@ -511,13 +511,12 @@ static PyObject *Core_apply_raw(Core *c, PyObject *args) {
 
 /* apply_raw_many(names, payloads, block_sizes, root) -> [result | None | MemoryError, ...]:
  * apply_raw(name, payload, bs, root, False) for each job in order, the GIL given away once
- * for the whole run (when its payloads reach RAW_MANY_RELEASE_BYTES: a hand-over costs
- * more than a few small batches' work) instead of once per batch. Stops after the first
+ * for the whole run (when its payloads reach RAW_RELEASE_BYTES, ingest_decode.h) instead of
+ * once per batch. Stops after the first
  * job the raw path does not take (None), refuses whole (unknown parent) or that runs out
  * of memory (the MemoryError instance in its place, nothing of it applied): one entry per
  * job tried, every job before the last entry applied. A bad argument raises before
  * anything is applied. */
-#define RAW_MANY_RELEASE_BYTES 16384
 static PyObject *Core_apply_raw_many(Core *c, PyObject *args) {
     PyObject *names, *payloads, *sizes;
     unsigned long long root;
@@ -546,7 +545,7 @@ static PyObject *Core_apply_raw_many(Core *c, PyObject *args) {
         if (PyObject_GetBuffer(PyList_GET_ITEM(payloads, got), &bufs[got], PyBUF_SIMPLE) < 0) goto done;
         total += bufs[got].len;
     }
-    PyThreadState *ts = total >= RAW_MANY_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
+    PyThreadState *ts = total >= RAW_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
     while (tried < n) {
         RawRes *r = &res[tried];
         raw_run(c, slots[tried], bufs[tried].buf, bufs[tried].len, bss[tried], root, 0, r, &ts);

@@ -720,7 +720,7 @@ PyObject *raw_result(const RawRes *r) {
 
 PyObject *raw_apply(Core *c, int s, const void *data, Py_ssize_t len, long bs, u64 root, int salvage) {
     RawRes r;
-    PyThreadState *ts = len >= 2048 ? PyEval_SaveThread() : NULL;
+    PyThreadState *ts = len >= RAW_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
     raw_run(c, s, data, len, bs, root, salvage, &r, &ts);
     if (ts) PyEval_RestoreThread(ts);
     return raw_result(&r);

@@ -27,6 +27,13 @@ typedef struct {
     Py_ssize_t blocks;
 } RawRes;
 
+/* Raw batches (one, or a run in Core.apply_raw_many) of at least this many bytes in all are
+ * applied without the GIL; less keeps it. Handing the GIL over costs the applying thread up to
+ * a switch interval (0.5 ms in serve) to get it back when a query thread takes it: more than
+ * applying a few 3 KB batches, and paid per batch when a worker's batches each end a run
+ * (a resyncing worker's refused batches and their salvage). */
+#define RAW_RELEASE_BYTES 16384
+
 #define RAW_OK 0
 #define RAW_NOT_MINE 1
 #define RAW_NOMEM 2
