@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml constraints-dev.txt setup.py $(wildcard csrc/*.c csrc/*
 	$(BIN)/python -m pip install --quiet --no-index --no-deps "torch==$(TORCH_VERSION)" 2>/dev/null \
 	  || $(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)" --index-url "$(TORCH_INDEX_URL)"
 	$(BIN)/python -m pip install --quiet -c constraints-dev.txt -e '.[torch,plot,dev]'
+	@# xds-protos (the epp extra's Envoy protos) ships old copies of the OpenTelemetry and googleapis
+	@# protos over those packages' own files: put theirs back (docs/install.md, "The epp extra")
+	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps $$($(BIN)/python -c "import importlib.metadata as m; \
+	  print(' '.join(f'{n}=={m.version(n)}' for n in ('opentelemetry-proto', 'googleapis-common-protos')))")
 	touch $(STAMP)
 
 install: $(STAMP)

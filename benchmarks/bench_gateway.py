@@ -138,6 +138,16 @@ def _engine(workdir: Path, i: int) -> tuple[Proc, dict[str, Any]]:
     return p, json.loads(line)
 
 
+def start_engines(workdir: Path, count: int, procs: list[Proc]) -> list[dict[str, Any]]:
+    """``count`` instant engine-sims (appended to ``procs`` as they start); their start-up lines."""
+    engines = []
+    for i in range(count):
+        p, info = _engine(workdir, i)
+        procs.append(p)
+        engines.append(info)
+    return engines
+
+
 def _wait_http(url: str, proc: Proc, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -461,11 +471,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         workdir = Path(tmp)
         try:
-            engines = []
-            for i in range(args.engines):
-                p, info = _engine(workdir, i)
-                procs.append(p)
-                engines.append(info)
+            engines = start_engines(workdir, args.engines, procs)
             serve, gw_port = _serve(workdir, engines)
             procs.append(serve)
             before = None

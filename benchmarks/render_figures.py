@@ -143,6 +143,48 @@ def _zmq_against(data: Any) -> str:
 
 _AB = "`benchmarks/ab_summary.py` ([benchmarks.md](docs/benchmarks.md#ingest-and-the-zmq-route-in-serve-issue-33))"
 
+
+def _epp_agreement(data: Any) -> str:
+    rows = [v for k, v in sorted(data["agreement"].items()) if k.startswith("window_")]
+    return f"{sum(r['agree'] for r in rows):,} / {sum(r['requests'] for r in rows):,}"
+
+
+def _epp_agreement_against(data: Any) -> str:
+    windows = ", ".join(k.removeprefix("window_") for k in sorted(data["agreement"]) if k.startswith("window_"))
+    return f"`POST /route` on a twin router, same KV events; requests in flight at once: {windows}"
+
+
+def _range(s: dict[str, float]) -> str:
+    return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
+
+
+def _epp_cost_against(data: Any) -> str:
+    c = data["cost"]
+    return (f"the gateway's {c['gateway_cpu_us']['median']:,.0f} µs; response body `NONE`: "
+            f"{_range(c['picker_response_none_ratio'])}x (target <= 1.5x)")
+
+
+def _epp_latency(data: Any) -> str:
+    lat = data["latency"]
+    return f"{lat['request_phase_p99_ms']['median']:.1f} ms"
+
+
+def _epp_latency_against(data: Any) -> str:
+    lat = data["latency"]
+    return (f"{lat['achieved_req_per_s']['median']:.0f} req/s reached of {lat['rate']:.0f} (Python load on the same "
+            f"2 cores); each answer chunk's p99 {lat['chunk_p99_ms']['median']:.1f} ms (target 5 ms at 500 req/s)")
+
+
+def _epp_leaks(data: Any) -> str:
+    leak = data["leaks"]
+    return f"{leak['in_flight_after']} in flight, RSS {leak['rss_growth'] * 100:+.1f} %"
+
+
+def _epp_leaks_against(data: Any) -> str:
+    c = data["leaks"]["counts"]
+    return f"{data['leaks']['picks']:,} picks: {c['abort']:,} streams dropped, {c['bad']:,} bad bodies"
+
+
 FIGURES: list[Figure] = [
     Figure("routing in `simulate`, held-out test set ([routing.md](docs/routing.md#how-the-defaults-were-chosen-"
            "train-and-test)): cells where `kv_aware`'s TTFT p99 ≤ the best of `approx` and the validated peer "
@@ -180,6 +222,15 @@ FIGURES: list[Figure] = [
     Figure("native decoder `csrc/ingest_decode.c` fuzzed under AddressSanitizer + UBSan: executions, each "
            "compared with the typed path on a twin index", "fuzz-ingest.json", _fuzz_executions, _fuzz_against,
            "`fuzz/run.py campaign ingest --seconds 1860 --keep` (copy of build/fuzz/logs/ingest-*.json)"),
+    Figure("endpoint picker (`serve --epp`, [epp.md](docs/epp.md)): trace requests where its pick is the worker "
+           "`/route` chose from the same state", "epp.json", _epp_agreement, _epp_agreement_against,
+           "`benchmarks/bench_epp.py --json docs/results/epp.json`"),
+    Figure("... router CPU per request through the picker (both phases, response body full duplex) over the "
+           "gateway's, bench_gateway's load", "epp.json", lambda d: _range(d["cost"]["picker_ratio"]) + "x",
+           _epp_cost_against, "same"),
+    Figure("... picker-added latency p99 (request phase)", "epp.json", _epp_latency, _epp_latency_against, "same"),
+    Figure("... after 100,000 picks: requests left in flight, RSS growth", "epp.json", _epp_leaks,
+           _epp_leaks_against, "same"),
 ]
 
 

@@ -102,6 +102,23 @@ def test_serve_without_torch(no_torch_env: dict[str, str], tmp_path: Path) -> No
         assert answer["worker"] == "w0"
 
 
+def test_serve_without_the_epp_extra(tmp_path: Path) -> None:
+    """Without grpc and Envoy's protos the router installs and serves as before; ``--epp`` says
+    what to install, in one line (exit 2)."""
+    env = without_packages_env(tmp_path / "no_grpc", "torch", "grpc", "grpc_health", "envoy")
+    port = free_tcp_port()
+    with ServeProcess(["--worker", f"name=w0,events=tcp://127.0.0.1:{port}"], tmp_path, env=env) as serve:
+        serve.start()
+        assert serve.post("/route", {"token_ids": list(range(64))})["worker"] == "w0"
+    proc = cli(env, "serve", "--http", "127.0.0.1:0", "--epp", "127.0.0.1:0",
+               "--worker", f"name=w0,url=http://127.0.0.1:9,events=tcp://127.0.0.1:{port}")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("tokenspeed-router serve: error: --epp needs the epp extra: "), proc.stderr
+    assert "pip install 'tokenspeed-router[epp]'" in lines[-1]
+
+
 def test_doctor_without_torch(no_torch_env: dict[str, str]) -> None:
     """The doctor is a router-side command: it runs, and an unreachable engine is a failed check."""
     events, http = free_tcp_port(), free_tcp_port()

@@ -22,7 +22,7 @@ class Serve:
     """One ``tokenspeed-router serve --state`` process."""
 
     def __init__(self, name: str, state_url: str, workers: Workers, ingest: str = "stream",
-                 options: str = "", extra_args: tuple[str, ...] = ()) -> None:
+                 options: str = "", extra_args: tuple[str, ...] = (), worker_url: str | None = None) -> None:
         self.name = name
         self.port = free_tcp_port()
         args = [sys.executable, "-m", "tokenspeed_router.cli", "--log-level", "WARNING", "serve",
@@ -30,7 +30,7 @@ class Serve:
                 "--state", f"{state_url}?lease_ttl_s=1.5&read_block_ms=50&replica_id={name}"
                            f"&ingest={ingest}{options}"]
         for n, ep, rp in workers.endpoints():
-            args += ["--worker", f"name={n},events={ep},replay={rp}"]
+            args += ["--worker", f"name={n},events={ep},replay={rp}" + (f",url={worker_url}" if worker_url else "")]
         args += list(extra_args)
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENSPEED_ROUTER_")}
         self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL,

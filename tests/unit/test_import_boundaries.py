@@ -42,12 +42,13 @@ LAYERS: dict[str, int] = {
     "events": 1, "hashing": 1, "endpoints": 1,
     "cache": 2, "router": 2,
     "server": 3, "state": 3, "gateway": 3, "relay": 3, "sim": 3, "engine_sim": 3, "loadgen": 3,
-    "bench": 3, "doctor": 3, "tools": 3,
+    "bench": 3, "doctor": 3, "tools": 3, "epp": 3,
     "cli": 4,
 }
 #: what a deployment runs (``serve``, ``relay``, ``doctor``) and the layers below it
 PRODUCT = {"", "errors", "percentiles", "_native", "asgi", "auth", "process", "ratelimit",
-           "events", "hashing", "endpoints", "cache", "router", "server", "state", "gateway", "relay", "doctor"}
+           "events", "hashing", "endpoints", "cache", "router", "server", "state", "gateway", "relay", "doctor",
+           "epp"}
 #: what exists to evaluate the product, and the offline tools
 LAB = {"sim", "engine_sim", "loadgen", "bench", "timing", "engine_model", "tools"}
 

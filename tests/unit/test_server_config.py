@@ -369,3 +369,20 @@ def test_cli_startup_errors_are_one_line_exit_2(argv: list[str], message: str, c
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert f"tokenspeed-router {argv[0]}: error: " in err
+
+
+def test_epp_settings_from_flags_environment_and_file(tmp_path: Path) -> None:
+    config = load_server_config({}, {"TOKENSPEED_ROUTER_EPP": "127.0.0.1:9002",
+                                     "TOKENSPEED_ROUTER_EPP_FALLBACKS": "0"})
+    assert config.epp == HostPort("127.0.0.1", 9002) and config.epp_fallbacks == 0
+    assert config.epp_max_in_flight == 0 and config.epp_leader_only is False
+    toml = tmp_path / "router.toml"
+    toml.write_text('epp = "0.0.0.0:9002"\nepp_max_in_flight = 8\nepp_leader_only = true\n'
+                    'state = "redis://127.0.0.1:6379/0?ingest=stream"\n')
+    config = load_server_config({"epp_fallbacks": 3}, {}, toml)
+    assert (config.epp_fallbacks, config.epp_max_in_flight, config.epp_leader_only) == (3, 8, True)
+    with pytest.raises(ConfigError, match="epp_leader_only needs"):
+        load_server_config({"epp": "127.0.0.1:9002", "epp_leader_only": True}, {})
+    with pytest.raises(ConfigError, match="epp_fallbacks"):
+        load_server_config({"epp": "127.0.0.1:9002", "epp_fallbacks": -1}, {})
+    assert load_server_config({"epp": "none"}, {}).epp is None

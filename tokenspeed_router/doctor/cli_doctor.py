@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="BlockStored must arrive within S seconds of the engine's answer (default 2)")
     a("--block-size", type=int, default=None, metavar="N", help="the block size every engine should use")
     a("--model", default=None, help="model name for the canaries (default: the engine's first /v1/models)")
+    a("--epp", default=None, metavar="HOST:PORT",
+      help="also check the router's endpoint picker (serve --epp): gRPC health, and that a test pick names "
+      "one of the engines and that engine answers /health (needs the epp extra)")
     a("--auth-token", default=os.environ.get("TOKENSPEED_ROUTER_AUTH_TOKEN"),
       help="bearer token for --router (env TOKENSPEED_ROUTER_AUTH_TOKEN)")
 
@@ -116,12 +119,17 @@ async def _doctor(args: argparse.Namespace) -> DoctorReport:
             else:
                 view = LocalView(load_tokenizer(args.tokenizer, lambda: pool), args.tokenizer, watcher,
                                  args.model)
-            reports = await asyncio.gather(*(check_engine(t, view, watcher, pool, options) for t in targets))
+            reports = list(await asyncio.gather(*(check_engine(t, view, watcher, pool, options) for t in targets)))
         finally:
             await asyncio.to_thread(watcher.close)
+        if args.epp:
+            from tokenspeed_router.doctor.epp_check import check_epp
+
+            urls = [t.url for t in targets if t.url]
+            reports.append(await check_epp(args.epp, urls, pool, args.timeout))
     finally:
         await pool.aclose()
-    return DoctorReport(list(reports))
+    return DoctorReport(reports)
 
 
 def run(args: argparse.Namespace) -> int:

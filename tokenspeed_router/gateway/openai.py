@@ -17,6 +17,8 @@ import msgspec
 __all__ = [
     "OpenAIError",
     "ParsedRequest",
+    "body_asking_usage",
+    "decode_object",
     "error_body",
     "parse_chat",
     "parse_completion",
@@ -155,7 +157,8 @@ def _fast_completion(raw: bytes, max_tokens: int) -> ParsedRequest | None:
                          stream_options=opts if present else None, has_stream_options=present)
 
 
-def _decode_object(raw: bytes) -> dict[str, Any]:
+def decode_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` as a JSON object, or the 400 that says why not."""
     if not raw:
         raise OpenAIError(400, "the request body is empty: expected a JSON object", code="invalid_json")
     try:
@@ -211,7 +214,7 @@ def parse_completion(raw: bytes, *, max_tokens: int) -> ParsedRequest:
 
 def parse_completion_general(raw: bytes, *, max_tokens: int) -> ParsedRequest:
     """:func:`parse_completion` without the token-id fast path (every prompt shape, every error)."""
-    body = _decode_object(raw)
+    body = decode_object(raw)
     stream, model = _common(body)
     if "prompt" not in body or body["prompt"] is None:
         raise OpenAIError(400, "missing required parameter 'prompt'", param="prompt",
@@ -249,7 +252,7 @@ def parse_completion_general(raw: bytes, *, max_tokens: int) -> ParsedRequest:
 
 def parse_chat(raw: bytes, *, max_tokens: int) -> ParsedRequest:
     """Check a ``POST /v1/chat/completions`` body (``messages``: objects with a string ``role``)."""
-    body = _decode_object(raw)
+    body = decode_object(raw)
     stream, model = _common(body)
     messages = body.get("messages")
     if messages is None:
@@ -262,3 +265,25 @@ def parse_chat(raw: bytes, *, max_tokens: int) -> ParsedRequest:
             raise OpenAIError(400, f"'messages[{i}]' must be an object with a string 'role'",
                               param=f"messages[{i}]", code="invalid_type")
     return ParsedRequest("chat", body, stream, model, raw=raw)
+
+
+_WITH_USAGE = b'{"stream_options":{"include_usage":true},'
+
+
+def body_asking_usage(req: ParsedRequest, body: dict[str, Any] | None = None) -> bytes:
+    """The body to send the engine with ``stream_options.include_usage`` set (the truth loop
+    needs a stream's usage chunk; the relay strips it again when the client did not ask).
+
+    ``body``: a rewritten body to send instead of the client's. The client's own bytes are
+    patched when it sent no ``stream_options`` at all (the key goes first, ahead of the
+    body's own: no re-encoding); otherwise its object is merged and the body re-encoded.
+    """
+    if body is None and req.raw is not None and not req.has_stream_options:
+        text = req.raw.lstrip()
+        if text.startswith(b"{"):  # non-empty here: prompt or messages is required
+            return _WITH_USAGE + text[1:]
+    body = dict(body if body is not None else req.body)
+    opts = dict(body.get("stream_options") or {})
+    opts["include_usage"] = True
+    body["stream_options"] = opts
+    return _encoder.encode(body)

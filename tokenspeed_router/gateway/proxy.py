@@ -24,24 +24,22 @@ import asyncio
 import itertools
 import logging
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from tokenspeed_router.asgi import Send, send_response
-from tokenspeed_router.errors import NoWorkerAvailableError, TokenspeedError, api_error
+from tokenspeed_router.gateway.accounting import GatewayStats, Plan, RequestAccounting
 from tokenspeed_router.gateway.config import GatewayConfig
 from tokenspeed_router.gateway.explain import ROUTE_HEADER, route_header
 from tokenspeed_router.gateway.host import GatewayHost
 from tokenspeed_router.gateway.http1 import ConnectFailed, Http1Response, UpstreamError
-from tokenspeed_router.gateway.openai import OpenAIError, ParsedRequest
+from tokenspeed_router.gateway.openai import OpenAIError, ParsedRequest, body_asking_usage
 from tokenspeed_router.gateway.sse import SseRelay, sse_error_event
-from tokenspeed_router.gateway.tokenize import PromptTokenizer, TokenizeError
+from tokenspeed_router.gateway.tokenize import PromptTokenizer
 from tokenspeed_router.gateway.tracing import RequestSpan
-from tokenspeed_router.gateway.truth import TruthLoop, TruthSample, cap_prediction
+from tokenspeed_router.gateway.truth import TruthLoop
 from tokenspeed_router.gateway.upstream import Target, Upstreams, is_timeout, is_unreachable
-from tokenspeed_router.router.decision import RouteDecision
 
 __all__ = ["GatewayStats", "Proxy"]
 
@@ -52,13 +50,6 @@ _encoder = msgspec.json.Encoder()
 _JSON = b"application/json"
 
 
-class _UsageOnly(msgspec.Struct):
-    """An answer's ``usage`` (msgspec skips every other field without building it)."""
-
-    usage: Any = None
-
-
-_usage_decoder = msgspec.json.Decoder(_UsageOnly)
 #: what a failing engine connection can raise
 _TRANSPORT = (UpstreamError, asyncio.TimeoutError, OSError)
 
@@ -83,111 +74,24 @@ def _before_first_byte(target: Target, err: BaseException, what: str) -> Excepti
     return OpenAIError(502, f"{what} {target.worker!r} failed: {type(err).__name__}: {err}", code="upstream_error")
 
 
-@dataclass
-class GatewayStats:
-    """Plain counters, mutated on the event loop only and exported at scrape time."""
-
-    requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (worker, outcome) -> n
-    retries: int = 0
-    tokenize_failures: int = 0
-    disconnects: int = 0
-
-    def count(self, worker: str, outcome: str) -> None:
-        key = (worker, outcome)
-        self.requests[key] = self.requests.get(key, 0) + 1
-
-
-@dataclass
-class _Plan:
-    """A routing decision turned into destinations."""
-
-    request_id: str
-    site: Target  # where the prompt is prefilled
-    decode: Target  # where tokens are generated (== site unless remote prefill)
-    remote_prefill: bool
-    predicted: int  # index view of the site's prefix, in tokens (0 when unknown)
-    block_size: int  # the site's, from the index (0: it has stored nothing yet)
-    peer_block_size: int  # what the other workers use (the truth loop's unit when block_size is 0)
-    decision: RouteDecision
-
-
 class Proxy:
     """Carries requests to engines; one per gateway."""
 
     def __init__(self, service: GatewayHost, config: GatewayConfig, upstreams: Upstreams,
                  tokenizer: PromptTokenizer, truth: TruthLoop) -> None:
-        self._service = service
         self._config = config
         self._up = upstreams
-        self._tokenizer = tokenizer
-        self._truth = truth
         self.stats = GatewayStats()
-        self._turn = 0
-        self._warned_tokenize = False
+        #: the router's books for each request (shared with the endpoint picker: accounting.py)
+        self._books = RequestAccounting(service, upstreams, tokenizer, truth, self.stats)
         # request ids: unique per process by the counter, across gateway replicas sharing a state
         # backend by the random prefix (uuid4 per request cost a urandom syscall on the hot path)
         self._id_prefix = f"gw-{uuid.uuid4().hex[:16]}-"
         self._ids = itertools.count()
 
-    # --- token ids -----------------------------------------------------------------
-
     async def token_ids(self, req: ParsedRequest) -> list[int]:
         """The prompt's token ids; ``[]`` (route on load) when tokenizing fails."""
-        if req.token_ids is not None:
-            return req.token_ids
-        self._turn += 1
-        url = self._up.any_url(self._turn)
-        try:
-            if req.kind == "chat":
-                return await self._tokenizer.chat_tokens(req.body, url)
-            assert req.text is not None
-            return await self._tokenizer.completion_tokens(req.text, req.body, url)
-        except TokenizeError as err:
-            self.stats.tokenize_failures += 1
-            if not self._warned_tokenize:
-                self._warned_tokenize = True
-                logger.warning("tokenizing a prompt failed (%s): routing such requests on load only "
-                               "(tokenspeed_gateway_tokenize_failures_total counts them)", err)
-            return []
-
-    # --- routing -------------------------------------------------------------------
-
-    def _plan(self, tokens: list[int], request_id: str, explain: bool = False) -> _Plan:
-        service = self._service
-        try:
-            decision: RouteDecision = service.route(tokens, request_id=request_id, explain=explain)
-            # the truth loop's prediction: the event index's view from the routing walk itself;
-            # a policy that reads no index (a baseline, approx) leaves it to one walk here
-            view = decision.index_match
-            if view is None and tokens:
-                view = service.match(tokens)
-        except NoWorkerAvailableError as err:
-            down = sorted(self._up.down())
-            message = f"no worker available (down: {', '.join(down)})" if down else api_error(err).message
-            raise OpenAIError(503, message, code="no_worker_available") from None
-        except TokenspeedError as err:
-            refused = api_error(err)
-            raise OpenAIError(refused.status, refused.message, code="invalid_value") from None
-        targets = self._up.targets()
-        site_name = decision.worker
-        decode_name = decision.decode_worker
-        site = targets.get(site_name)
-        decode = targets.get(decode_name)
-        if site is None or decode is None:
-            service.release(request_id)
-            missing = site_name if site is None else decode_name
-            if not targets:
-                raise OpenAIError(503, "no worker has a url: give workers url=http://HOST:PORT to proxy to them",
-                                  code="no_worker_available")
-            raise OpenAIError(503, f"the router chose worker {missing!r}, which has no url to proxy to",
-                              code="no_worker_available")
-        predicted, block_size, peer_block_size = 0, 0, 16
-        if view is not None:
-            block_size = view.block_size.get(site_name) or 0
-            predicted = view.scores.get(site_name, 0) * block_size
-            peer_block_size = max(view.block_size.values(), default=16) or 16
-        return _Plan(request_id, site, decode, decision.prefill_worker is not None, predicted, block_size,
-                     peer_block_size, decision)
+        return await self._books.token_ids(req)
 
     # --- the request ---------------------------------------------------------------
 
@@ -206,7 +110,7 @@ class Proxy:
         dropped = False  # a connection already dropped before answering for this request
         try:
             while True:
-                plan = self._plan(tokens, request_id, explain)
+                plan = self._books.plan(tokens, request_id, explain)
                 if trace is not None:
                     trace.routed(plan.decision, req.kind)
                 try:
@@ -232,12 +136,9 @@ class Proxy:
                             code="upstream_unreachable") from None
                     self.stats.retries += 1
         finally:
-            self._service.release(request_id)
+            self._books.release(request_id)
 
-    def _prefill_done(self, request_id: str) -> None:
-        self._service.mark_prefill_done(request_id)
-
-    async def _disaggregated(self, req: ParsedRequest, tokens: list[int], plan: _Plan, send: Send,
+    async def _disaggregated(self, req: ParsedRequest, tokens: list[int], plan: Plan, send: Send,
                              headers: dict[str, str]) -> None:
         """vLLM's P/D protocol: a 1-token prefill leg, then the decode leg with its kv_transfer_params."""
         body = dict(req.body)
@@ -268,8 +169,8 @@ class Proxy:
         if not isinstance(answer, dict):
             raise OpenAIError(502, f"prefill worker {site.worker!r} answered invalid JSON", code="upstream_error")
         self.stats.count(site.stream, "prefill")
-        self._learn(site.stream, plan, tokens, answer.get("usage"))
-        self._prefill_done(plan.request_id)
+        self._books.learn(site.stream, plan, tokens, answer.get("usage"))
+        self._books.prefill_done(plan.request_id)
         kv = answer.get("kv_transfer_params")
         if kv is None:
             logger.debug("prefill worker %s returned no kv_transfer_params: decode prefills locally", site.worker)
@@ -278,23 +179,16 @@ class Proxy:
         await self._one_leg(req, tokens, plan, plan.decode, decode_body, send, headers, observe=False,
                             extra=[(b"x-tokenspeed-prefill-worker", site.stream.encode())])
 
-    async def _one_leg(self, req: ParsedRequest, tokens: list[int], plan: _Plan, target: Target,
+    async def _one_leg(self, req: ParsedRequest, tokens: list[int], plan: Plan, target: Target,
                        body: dict[str, Any] | None, send: Send, headers: dict[str, str], *, observe: bool,
                        extra: list[tuple[bytes, bytes]] | None) -> None:
         strip = req.stream and not req.client_wants_usage()
-        data: bytes | None = None
-        if body is None and req.raw is not None:
-            # the client's own bytes: no re-encoding (the common case costs one decode, no encode)
-            data = _with_usage(req.raw, req) if strip else req.raw
-        if body is None:
-            body = req.body
-        if data is None:
-            if strip:
-                body = dict(body)
-                opts = dict(body.get("stream_options") or {})
-                opts["include_usage"] = True
-                body["stream_options"] = opts
-            data = _encoder.encode(body)
+        if strip:
+            data = body_asking_usage(req, body)
+        elif body is None and req.raw is not None:
+            data = req.raw  # the client's own bytes: no re-encoding (one decode, no encode)
+        else:
+            data = _encoder.encode(body if body is not None else req.body)
         resp = await self._open(target, req.path, data, headers, "worker")
         worker_headers = _with_route([(b"x-tokenspeed-worker", target.stream.encode()), *(extra or [])], plan)
         done = False
@@ -306,7 +200,7 @@ class Proxy:
                     raise _before_first_byte(target, err, "worker") from err
                 done = True
                 if resp.status == 200 and observe:
-                    self._learn_json(target.stream, plan, tokens, content)
+                    self._books.learn_json(target.stream, plan, tokens, content)
                 self.stats.count(target.stream, "ok" if resp.status == 200 else f"http_{resp.status}")
                 await send_response(send, resp.status, content, _content_type(resp), worker_headers)
                 return
@@ -330,7 +224,7 @@ class Proxy:
         except _TRANSPORT as err:
             raise _before_first_byte(target, err, what) from err
 
-    async def _relay(self, resp: Http1Response, target: Target, plan: _Plan, tokens: list[int],
+    async def _relay(self, resp: Http1Response, target: Target, plan: Plan, tokens: list[int],
                      send: Send, worker_headers: list[tuple[bytes, bytes]], *, strip: bool,
                      observe: bool) -> bool:
         """Relay an SSE answer; True when the engine's stream was read to its end."""
@@ -344,7 +238,7 @@ class Proxy:
                 out = relay.feed(chunk)
                 if not prefilled and relay.generated:
                     prefilled = True
-                    self._prefill_done(plan.request_id)
+                    self._books.prefill_done(plan.request_id)
                 if not out:
                     continue
                 if not started:
@@ -370,67 +264,11 @@ class Proxy:
         await send({"type": "http.response.body", "body": rest, "more_body": False})
         self.stats.count(target.stream, "ok")
         if observe:
-            self._learn(target.stream, plan, tokens, relay.usage)
+            self._books.learn(target.stream, plan, tokens, relay.usage)
         return True
 
-    # --- truth loop -------------------------------------------------------------------
 
-    def _learn_json(self, stream: str, plan: _Plan, tokens: list[int], content: bytes) -> None:
-        if b'"usage"' not in content:
-            return
-        try:
-            answer = _usage_decoder.decode(content)
-        except msgspec.DecodeError:  # ValidationError (not an object) included
-            return
-        self._learn(stream, plan, tokens, answer.usage)
-
-    def _learn(self, stream: str, plan: _Plan, tokens: list[int], usage: Any) -> None:
-        """Compare the engine's reported reuse with the index's prediction for ``stream``."""
-        if not tokens or not isinstance(usage, dict):
-            return
-        details = usage.get("prompt_tokens_details")
-        reported = details.get("cached_tokens") if isinstance(details, dict) else None
-        if type(reported) is not int:
-            self._truth.observe_unreported(stream)
-            return
-        # a lock-free read of one worker's state (benign race: at worst one sample more or less)
-        if self._service.is_cold(stream):
-            return  # its index entries are known to be incomplete (stale, resyncing): no evidence
-        prompt_tokens = usage.get("prompt_tokens")
-        n = prompt_tokens if type(prompt_tokens) is int and prompt_tokens > 0 else len(tokens)
-        # the worker had published nothing we held when routed: judge in the block size its peers use
-        bs = plan.block_size if plan.block_size > 0 else plan.peer_block_size
-        predicted = cap_prediction(plan.predicted, n, bs)
-        sample = TruthSample(predicted, reported, bs)
-        if sample.too_high():
-            # Did events explain it meanwhile (a sibling's blocks)? A second look, taken now,
-            # only for the rare answer that reused more than predicted.
-            view = self._service.match(tokens)
-            after = view.scores.get(stream, 0) * (view.block_size.get(stream) or bs)
-            if after:
-                sample = TruthSample(predicted, reported, bs, cap_prediction(after, n, bs))
-        self._truth.observe(stream, sample)
-
-
-_WITH_USAGE = b'{"stream_options":{"include_usage":true},'
-
-
-def _with_usage(raw: bytes, req: ParsedRequest) -> bytes | None:
-    """``raw`` with ``stream_options.include_usage`` added by a byte patch, or None to re-encode.
-
-    Patchable when the client sent no ``stream_options`` at all (else its
-    object must be merged): the key goes first, ahead of the body's own. The
-    body is a non-empty object here (``prompt`` or ``messages`` is required).
-    """
-    if req.has_stream_options:
-        return None
-    text = raw.lstrip()
-    if not text.startswith(b"{"):
-        return None
-    return _WITH_USAGE + text[1:]
-
-
-def _with_route(headers: list[tuple[bytes, bytes]], plan: _Plan) -> list[tuple[bytes, bytes]]:
+def _with_route(headers: list[tuple[bytes, bytes]], plan: Plan) -> list[tuple[bytes, bytes]]:
     """``headers`` plus ``x-tokenspeed-route`` when the decision was explained (one test otherwise)."""
     explanation = plan.decision.explanation
     if explanation is not None:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -370,10 +370,13 @@ class RoutingCore:
         lora_id: int | str | None = None,
         salt: str | None = None,
         explain: bool = False,
+        only: Collection[str] | None = None,
     ) -> RouteDecision:
-        """Choose a worker (or a prefill/decode pair) and count the request in flight."""
+        """Choose a worker (or a prefill/decode pair) and count the request in flight;
+        ``only``: among these workers alone (see ``Router.route``)."""
         with self._lock:
-            return self._router.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt, explain=explain)
+            return self._router.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt, explain=explain,
+                                      only=only)
 
     def match(self, token_ids: Any, lora_id: int | str | None = None, salt: str | None = None) -> MatchDetail:
         """Per worker, the leading blocks of ``token_ids`` it holds, by tier (no side effect, no lock of ours)."""

@@ -54,6 +54,7 @@ __all__ = [
     "RouteDecision",
     "RouteExplanation",
     "TIERS",
+    "rank_candidates",
 ]
 
 #: tier names of ``KvIndex.match_detail`` (best first): ``router/tiers.py`` defines them
@@ -368,3 +369,15 @@ class RouteDecision(msgspec.Struct, frozen=True):
         if m is None:
             return 0
         return m.scores.get(worker, 0) * m.block_size.get(worker, 0)
+
+
+def rank_candidates(explanation: RouteExplanation, worker: str) -> tuple[str, ...]:
+    """The workers of ``worker``'s pool in the explanation, cheapest first (``worker`` among them).
+
+    Candidates without a cost (the blind policies: random, round robin) follow the
+    costed ones by name. The endpoint picker names the rest as fallbacks.
+    """
+    pool = next((c.pool for c in explanation.candidates if c.worker == worker and c.chosen), None)
+    rows = [c for c in explanation.candidates if pool is None or c.pool == pool]
+    rows.sort(key=lambda c: (c.worker != worker, c.cost is None, c.cost or 0.0, c.worker))
+    return tuple(dict.fromkeys(c.worker for c in rows))

@@ -50,7 +50,7 @@ import random
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +146,16 @@ class _Pools:
 _INDEX, _APPROX = CreditSource.INDEX, CreditSource.APPROX
 #: policies that compute a cost (and so keep engine models)
 _COST_POLICIES = (Policy.KV_AWARE, Policy.APPROX, Policy.LEAST_LOADED)
+
+
+def _subset(pools: _Pools, only: Collection[str]) -> _Pools:
+    """``pools`` restricted to the workers in ``only`` (same order)."""
+    keep = only if isinstance(only, (set, frozenset, dict)) else set(only)
+    out = _Pools(*([w for w in names if w in keep] for names in (
+        pools.all, pools.decode, pools.prefill, pools.indexed, pools.remembered)))
+    if not out.all:
+        raise NoWorkerAvailableError("none of the allowed workers is routable")
+    return out
 
 
 class Router:
@@ -332,6 +342,7 @@ class Router:
         lora_id: int | str | None = None,
         salt: str | bytes | None = None,
         explain: bool = False,
+        only: Collection[str] | None = None,
     ) -> RouteDecision:
         """Choose where to prefill and decode ``token_ids`` and count it in flight.
 
@@ -344,6 +355,8 @@ class Router:
         Raises :class:`NoWorkerAvailableError` when no worker can take it, and
         :class:`~tokenspeed_router.errors.WireError` for token ids that cannot be
         hashed. A ``request_id`` still in flight is released and routed anew.
+        ``only``: choose among these workers alone (the endpoint picker's subset
+        hint); :class:`NoWorkerAvailableError` when none of them is routable.
         """
         now = self._clock()
         self._expire(now)
@@ -369,6 +382,8 @@ class Router:
 
         trace: list[PoolTrace] | None = [] if explain else None
         pools = self._membership()
+        if only is not None:
+            pools = _subset(pools, only)
         if self._num_split_roles == 0:
             decode = self._choose("all", pools.all, num_tokens, known, hashes, now, trace)
             prefill = None

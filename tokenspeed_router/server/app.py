@@ -58,10 +58,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
 import zmq
 
 from tokenspeed_router.errors import (
@@ -73,7 +74,7 @@ from tokenspeed_router.events.log import EventLogWriter
 from tokenspeed_router.events.schema import KVEventBatch
 from tokenspeed_router.events.subscriber import BatchReceived, SubscriberItem
 from tokenspeed_router.router.core import RoutingCore
-from tokenspeed_router.router.decision import RouteDecision
+from tokenspeed_router.router.decision import RouteDecision, rank_candidates
 from tokenspeed_router.router.index import KvIndex, MatchDetail
 from tokenspeed_router.router.ingest import IndexIngestor, WorkerState
 from tokenspeed_router.router.router import PeerLoad, Router, WorkerRole
@@ -577,18 +578,49 @@ class RouterService:
         can take it) and :class:`~tokenspeed_router.errors.WireError` (bad
         token ids); the transports map them to statuses (``server/api.py``).
         """
+        return self._route(token_ids, request_id, lora_id, salt, explain, False, None)[0]
+
+    def pick(
+        self,
+        token_ids: list[int],
+        *,
+        request_id: str | None = None,
+        explain: bool = False,
+        only: Collection[str] | None = None,
+        ranked: bool = True,
+    ) -> tuple[RouteDecision, tuple[str, ...]]:
+        """:meth:`route` for the endpoint picker (``epp/``): the same decision, counted and
+        sampled alike, among ``only`` when given (the subset hint), with every candidate
+        of the chosen worker's pool ranked by cost, cheapest first (the fallbacks; ``ranked``
+        False: none, and no cost terms recorded).
+
+        The ranking comes from the cost terms an explanation records; the decision
+        carries ``explanation`` only when it was asked for or sampled, as from :meth:`route`.
+        """
+        return self._route(token_ids, request_id, None, None, explain, ranked, only)
+
+    def _route(
+        self, token_ids: list[int], request_id: str | None, lora_id: int | str | None, salt: str | None,
+        explain: bool, ranked: bool, only: Collection[str] | None,
+    ) -> tuple[RouteDecision, tuple[str, ...]]:
         t0 = time.perf_counter()
+        ranking: tuple[str, ...] = ()
         with self._lock:
             sampled = False
             if not explain and self._sampler is not None:
                 explain = sampled = self._sampler.take()
-            d = self._core.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt, explain=explain)
+            d = self._core.route(token_ids, request_id=request_id, lora_id=lora_id, salt=salt,
+                                 explain=explain or ranked, only=only)
             q = self.metrics.queries
             q.route_latency.observe(time.perf_counter() - t0)
             q.observe_route(d.worker, d.matched_tokens, len(token_ids))
+            if ranked and d.explanation is not None:
+                ranking = rank_candidates(d.explanation, d.decode_worker)
+                if not explain:
+                    d = msgspec.structs.replace(d, explanation=None)
             if d.explanation is not None:
                 self._log_explained(d, sampled, token_ids, lora_id, salt)
-        return d
+        return d, ranking
 
     def _log_explained(self, d: RouteDecision, sampled: bool, token_ids: Any, lora_id: Any, salt: Any) -> None:
         # under the lock: exact counters, one queue append (the writer thread encodes)
@@ -758,6 +790,7 @@ class RouterService:
 
 
 if TYPE_CHECKING:
+    from tokenspeed_router.epp.picker import PickerHost
     from tokenspeed_router.gateway.host import GatewayHost
     from tokenspeed_router.state.service import ServiceHost
 
@@ -767,4 +800,8 @@ if TYPE_CHECKING:
 
     def _fits_gateway(service: RouterService) -> GatewayHost:
         """mypy checks here that the service is what the gateway needs (gateway/host.py)."""
+        return service
+
+    def _fits_picker(service: RouterService) -> PickerHost:
+        """mypy checks here that the service is what the endpoint picker needs (epp/picker.py)."""
         return service

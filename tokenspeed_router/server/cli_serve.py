@@ -24,7 +24,8 @@ from tokenspeed_router.process import shutdown_signals
 from tokenspeed_router.server.config import ServerConfig, load_server_config
 from tokenspeed_router.server.explain import ExplainConfig
 
-__all__ = ["add_arguments", "add_explain_arguments", "add_gateway_arguments", "add_listener_arguments", "config_from_args", "run"]
+__all__ = ["add_arguments", "add_epp_arguments", "add_explain_arguments", "add_gateway_arguments",
+           "add_listener_arguments", "config_from_args", "epp_config", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +96,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="event batches one ingest pass reads at most before applying them (default 4096)",
     )
     add_gateway_arguments(parser)
+    add_epp_arguments(parser)
     add_explain_arguments(parser)
     add_listener_arguments(parser)
+
+
+def add_epp_arguments(parser: argparse.ArgumentParser) -> None:
+    """The endpoint picker for Kubernetes inference gateways (DESIGN §10; docs/epp.md). Each is
+    also a TOML key and a TOKENSPEED_ROUTER_<KEY> variable, spelled with '_'."""
+    g = parser.add_argument_group("Endpoint Picker (Envoy ext_proc, Gateway API Inference Extension)")
+    g.add_argument("--epp", metavar="HOST:PORT",
+                   help="serve the endpoint picker (gRPC ext_proc and health) here, on the same routing core; "
+                   "needs the epp extra (pip install 'tokenspeed-router[epp]')")
+    g.add_argument("--epp-fallbacks", type=int, metavar="N",
+                   help="fallback endpoints named after the chosen one, cheapest first (default 2; 0 for an Envoy "
+                   "ORIGINAL_DST cluster on the header, which reads one address)")
+    g.add_argument("--epp-max-in-flight", type=int, metavar="N",
+                   help="answer 429 to new picks while N requests are in flight through the picker (default 0: never)")
+    g.add_argument("--epp-leader-only", action="store_true", default=None,
+                   help="readiness NOT_SERVING on every replica but the lease holder of --state ...?ingest=stream "
+                   "(default: every replica picks, active-active)")
 
 
 def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
@@ -159,6 +178,10 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> ServerConfig
         "inflight_timeout_s": args.inflight_timeout_s,
         "max_body_bytes": args.max_body_bytes,
         "max_tokens": args.max_tokens,
+        "epp": getattr(args, "epp", None),
+        "epp_fallbacks": getattr(args, "epp_fallbacks", None),
+        "epp_max_in_flight": getattr(args, "epp_max_in_flight", None),
+        "epp_leader_only": getattr(args, "epp_leader_only", None),
     }
     for key in GatewayConfig.setting_names():
         flags[key] = getattr(args, key, None)
@@ -210,6 +233,9 @@ def _supervise(args: argparse.Namespace, config: ServerConfig, processes: int) -
         raise ConfigError(f"--processes must be at least 1, got {processes}")
     if config.zmq_api is not None:
         raise ConfigError("--processes N cannot share one --zmq-api endpoint: use the HTTP API")
+    if config.epp is not None:
+        raise ConfigError("--processes N cannot share one --epp port: run one picker per replica "
+                          "(--state shares their in-flight work; docs/epp.md)")
     if config.record is not None:
         raise ConfigError("--processes N cannot write one --record log from N processes")
     if config.state is not None:
@@ -218,15 +244,27 @@ def _supervise(args: argparse.Namespace, config: ServerConfig, processes: int) -
     return supervise_from_args(argv, processes, config.http, config.state)
 
 
+def epp_config(config: ServerConfig) -> Any:
+    """The endpoint picker's settings (``epp/server.py``), or None without ``--epp``."""
+    if config.epp is None:
+        return None
+    from tokenspeed_router.epp.picker import PickerSettings
+    from tokenspeed_router.epp.server import EppConfig
+
+    return EppConfig(address=config.epp, leader_only=config.epp_leader_only, picker=PickerSettings(
+        fallbacks=config.epp_fallbacks, max_in_flight=config.epp_max_in_flight))
+
+
 def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None, *, reuse_port: bool = False) -> int:
     from tokenspeed_router.server import gc_policy
     from tokenspeed_router.server.app import RouterService
-    from tokenspeed_router.server.http import HttpServer
+    from tokenspeed_router.server.http import HttpServer, new_event_loop
     from tokenspeed_router.server.zmq_api import ZmqApiServer
 
     service = RouterService(config, sink_factory=sink_factory)
     http: HttpServer | None = None
     zmq_api: ZmqApiServer | None = None
+    picker_alone: Any = None
     stop = threading.Event()
 
     def request_stop() -> None:
@@ -235,8 +273,14 @@ def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None, *, r
             http.request_shutdown()
 
     try:
+        epp = epp_config(config)
         if config.http is not None:
-            http = HttpServer(service, config.http, reuse_port=reuse_port)
+            http = HttpServer(service, config.http, reuse_port=reuse_port, epp=epp)
+        elif epp is not None:  # the picker without the HTTP API: the gateway's parts, on a loop of its own
+            from tokenspeed_router.epp.server import EppServer
+            from tokenspeed_router.gateway.app import Gateway
+
+            picker_alone = EppServer(service, Gateway(service, config.gateway), epp)
         if config.zmq_api is not None:
             zmq_api = ZmqApiServer(service, config.zmq_api)
         with shutdown_signals(request_stop):
@@ -249,6 +293,10 @@ def _serve(config: ServerConfig, sink_factory: Callable[[Any], Any] | None, *, r
             gc_policy.configure()
             if http is not None:
                 http.run()
+            elif picker_alone is not None:
+                from tokenspeed_router.epp.server import run_alone
+
+                run_alone(picker_alone, stop, new_event_loop)
             else:
                 while not stop.wait(1.0):
                     pass

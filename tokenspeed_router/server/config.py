@@ -114,6 +114,11 @@ class ServerConfig:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     #: why this worker: --decision-log, --explain-sample (server/explain.py)
     explain: ExplainConfig = field(default_factory=ExplainConfig)
+    #: the endpoint picker's gRPC listen address (--epp; None: no picker) and options (docs/epp.md)
+    epp: HostPort | None = None
+    epp_fallbacks: int = 2
+    epp_max_in_flight: int = 0
+    epp_leader_only: bool = False
 
     def __post_init__(self) -> None:
         names: set[str] = set()
@@ -138,6 +143,14 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
         if type(self.ingest_queue) is not int or self.ingest_queue < 1:
             raise ConfigError(f"ingest_queue must be a positive integer, got {self.ingest_queue!r}")
+        for name in ("epp_fallbacks", "epp_max_in_flight"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.epp_leader_only and (self.epp is None or self.state is None or "ingest=stream" not in self.state):
+            raise ConfigError("epp_leader_only needs --epp and --state redis://...?ingest=stream: the replica "
+                              "holding the state backend's lease is the leader (active-active replicas, the "
+                              "default, have none)")
 
     def subscribers(self) -> list[SubscriberSpec]:
         return [sub for spec in self.workers for sub in spec.subscribers()]
@@ -187,6 +200,18 @@ def _int(value: Any, what: str, low: int = 1) -> int:
     if out < low:
         raise ConfigError(f"{what}: must be {'positive' if low == 1 else f'>= {low}'}, got {value!r}")
     return out
+
+
+def _flag(value: Any, what: str) -> bool:
+    """A boolean setting: true/false, 1/0, yes/no (flags pass True)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{what}: expected true or false, got {value!r}")
 
 
 def _http(value: Any, what: str) -> HostPort | None:
@@ -261,6 +286,10 @@ _SCALARS: dict[str, Callable[[Any, str], Any]] = {
     "decision_log": lambda v, what: check_output_path(_text(v, what), what),
     "explain_sample": _fraction,
     "decision_log_max_bytes": _int,
+    "epp": _http,
+    "epp_fallbacks": lambda v, what: _int(v, what, low=0),
+    "epp_max_in_flight": lambda v, what: _int(v, what, low=0),
+    "epp_leader_only": _flag,
 }
 assert set(GatewayConfig.setting_names()) <= set(_SCALARS), "every gateway setting needs a parser"
 assert set(ExplainConfig.setting_names()) <= set(_SCALARS), "every explain setting needs a parser"
@@ -389,7 +418,8 @@ def load_server_config(
             kwargs["auth_token"] = Path(token_file[0]).read_text().strip() or None
         except OSError as err:
             raise ConfigError(f"auth_token_file: {err}") from err
-    for key in ("stale_after_s", "replay_timeout_s", "ingest_max_lag_s", "ingest_queue"):
+    for key in ("stale_after_s", "replay_timeout_s", "ingest_max_lag_s", "ingest_queue", "epp", "epp_fallbacks",
+                "epp_max_in_flight", "epp_leader_only"):
         if key in values:
             kwargs[key] = values[key][0]
     limits = {k: values[k][0] for k in ("max_body_bytes", "max_tokens") if k in values}

@@ -243,7 +243,7 @@ def create_app(service: RouterService) -> Starlette:
     return app
 
 
-def _new_event_loop() -> asyncio.AbstractEventLoop:
+def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop's event loop when installed, asyncio's otherwise.
 
     uvicorn picks uvloop only in ``uvicorn.run``/``Server.run``; we drive
@@ -258,8 +258,8 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 def _run_in_new_loop(main: Coroutine[Any, Any, None]) -> None:
-    """``asyncio.run(main)`` on :func:`_new_event_loop` (``asyncio.Runner`` needs Python 3.11)."""
-    loop = _new_event_loop()
+    """``asyncio.run(main)`` on :func:`new_event_loop` (``asyncio.Runner`` needs Python 3.11)."""
+    loop = new_event_loop()
     try:
         loop.run_until_complete(main)
     finally:
@@ -284,7 +284,8 @@ class HttpServer:
     when installed (``uvicorn[standard]``), the pure-Python h11 stack otherwise.
     """
 
-    def __init__(self, service: RouterService, address: HostPort, *, reuse_port: bool = False) -> None:
+    def __init__(self, service: RouterService, address: HostPort, *, reuse_port: bool = False,
+                 epp: Any = None) -> None:
         if not is_loopback_host(address.host):
             auth = service.config.auth_token is not None
             logger.log(
@@ -294,6 +295,13 @@ class HttpServer:
         self._sock = bind_socket(address, reuse_port=reuse_port)
         self.address = HostPort(address.host, self._sock.getsockname()[1])
         self._app = create_app(service)
+        #: ``--epp``: the endpoint picker, served on this server's loop with the gateway's parts (epp/server.py)
+        self.epp: Any = None
+        if epp is not None:
+            from tokenspeed_router.epp.server import EppServer
+
+            self.epp = EppServer(service, self._app.state.gateway, epp)
+        self._failure: BaseException | None = None
         self.loop_lag = LoopLag()
         service.metrics.add_collector(LoopLagCollector(self.loop_lag))
         service.metrics.add_collector(GcCollector())  # the process's collector pauses (gc_policy.py)
@@ -332,17 +340,27 @@ class HttpServer:
             if self._server.started:
                 logger.info("HTTP API on http://%s", self.address)
                 self.loop_lag.start()
+                if self.epp is not None:
+                    try:
+                        await self.epp.start()
+                    except Exception as err:  # a port taken meanwhile: stop serving, fail the command
+                        self._failure = err
+                        self._server.should_exit = True
                 self.started.set()
             try:
                 await serving
             finally:
                 self.loop_lag.stop()
+                if self.epp is not None:
+                    await self.epp.stop()
                 await self._app.state.gateway.aclose()
 
         try:
             _run_in_new_loop(main())
         finally:
             self._sock.close()
+        if self._failure is not None:
+            raise self._failure
 
     def request_shutdown(self) -> None:
         self._server.should_exit = True
