@@ -373,7 +373,7 @@ class EventSubscriber:
         """Drop the live batches waiting in the SUB socket, unapplied; report them lost.
 
         For a caller that finds this stream too far behind its publisher to
-        catch up (``server/apply_queue.py``): reading, checking (the native
+        catch up (``server/ingest_lag.py``): reading, checking (the native
         scan) and fingerprinting a message costs a few microseconds, decoding
         and applying it tens. Only batches that pass the frame checks are
         dropped (a malformed frame is counted and skipped, as on the normal
