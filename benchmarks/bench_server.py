@@ -531,12 +531,14 @@ def measure_costs(num_workers: int, prompt_tokens: int, n: int = 3000) -> dict[s
 # --------------------------------------------------------------------------- orchestration
 
 
-def _start_router(streamer: Streamer, http_port: int, zmq_ep: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+def _start_router(streamer: Streamer, http_port: int, zmq_ep: str, env: dict[str, str],
+                  checkout: Path = REPO) -> subprocess.Popen[bytes]:
+    """``serve`` of ``checkout``'s package (its compiled core built in place), following the streamer."""
     args = [sys.executable, "-m", "tokenspeed_router.cli", "--log-level", "WARNING", "serve",
             "--http", f"127.0.0.1:{http_port}", "--zmq-api", zmq_ep]
     for w, pub in enumerate(streamer.pubs):
         args += ["--worker", f"name=w{w},events={pub.endpoint},replay={pub.replay_endpoint}"]
-    proc = subprocess.Popen(args, cwd=REPO, env=env)
+    proc = subprocess.Popen(args, cwd=checkout, env={**env, "PYTHONPATH": str(checkout)})
     import httpx
 
     deadline = time.monotonic() + 60
@@ -614,6 +616,31 @@ def _ingest_counters(http_port: int) -> dict[str, float]:
     out["max_lag_s"] = max((float(w.get("ingest_delay_s") or 0.0) for w in ws.values()), default=0.0)
     out["not_live"] = float(sum(1 for w in ws.values() if w.get("state") != "live"))
     return out
+
+
+def _batches_applied(http_port: int) -> int:
+    """Batches the router applied so far, summed over its workers (``GET /workers``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/workers", timeout=10) as resp:
+        ws = json.loads(resp.read())
+    return int(sum(w.get("batches_applied") or 0 for w in ws.values()))
+
+
+def _profile(pid: int, out_dir: str, tag: str, duration_s: float, *, idle: bool) -> subprocess.Popen[bytes] | None:
+    """``py-spy record`` of the router for ``duration_s`` (native frames, per thread; with ``idle``
+    the samples of threads waiting too): collapsed stacks in ``DIR/TAG.txt`` (what ``py-spy``'s
+    flame graphs draw, as text)."""
+    import shutil
+
+    pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(pyspy).exists():
+        print("py-spy is not installed (pip install py-spy): no profile", file=sys.stderr)
+        return None
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([pyspy, "record", "--pid", str(pid), "--native", "--threads", *(["--idle"] if idle else []),
+                             "--rate", "200",
+                             "--duration", str(max(1, int(duration_s))), "--format", "raw",
+                             "--output", str(Path(out_dir) / f"{tag}.txt")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _cpu_s(pid: int) -> float:
@@ -707,16 +734,27 @@ def main() -> int:
     parser.add_argument("--json", metavar="OUT", help="also write the results here")
     parser.add_argument("--blocks-per-s", type=float, default=None,
                         help="one streaming rate instead of --rates (older spelling)")
-    parser.add_argument("--only", choices=("costs", "ingest", "zmq", "http", "match", "visible"), action="append",
+    parser.add_argument("--only", choices=("costs", "cpu", "ingest", "zmq", "http", "match", "visible"),
+                        action="append",
                         help="run only these parts (repeatable; default: all; match and visible are the "
-                             "ingest phases' two halves and run them)")
+                             "ingest phases' two halves and run them; cpu: streaming alone, the router's CPU "
+                             "per applied batch at each rate)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="py-spy record the router during each cpu and route phase into DIR (its figures then "
+                             "carry py-spy's own cost: profile and measure in separate runs)")
+    parser.add_argument("--router-checkout", metavar="DIR",
+                        help="run the router from another checkout of the project (an A/B: e.g. a `git worktree` "
+                             "of main with its compiled core built in place, `setup.py build_ext --inplace`); "
+                             "run the in-process costs of it with PYTHONPATH=DIR")
+    parser.add_argument("--profile-idle", action="store_true", help="--profile with the waiting threads' samples")
     args = parser.parse_args()
     if args.role == "loadgen":
         return loadgen_main(args)
     duration = args.duration or (2.0 if args.quick else 5.0)
     repeats = 1 if args.quick else args.repeats
     rates = [args.blocks_per_s] if args.blocks_per_s else [float(r) for r in args.rates.split(",") if r.strip()]
-    parts = {"ingest" if p in ("match", "visible") else p for p in (args.only or ("costs", "ingest", "zmq", "http"))}
+    parts = {"ingest" if p in ("match", "visible") else p
+             for p in (args.only or ("costs", "cpu", "ingest", "zmq", "http"))}
     env = dict(os.environ)
     results: dict[str, Any] = {"config": {"workers": args.workers, "rates": rates, "phase_s": duration,
                                           "repeats": repeats, "cpus": os.cpu_count(),
@@ -729,7 +767,7 @@ def main() -> int:
             return _write(args, results)
     streamer = Streamer(args.workers)
     http_port, zmq_ep = free_tcp_port(), f"tcp://127.0.0.1:{free_tcp_port()}"
-    router = _start_router(streamer, http_port, zmq_ep, env)
+    router = _start_router(streamer, http_port, zmq_ep, env, Path(args.router_checkout or REPO))
     thread_names = _thread_names(router.pid)
     rounds: list[dict[str, Any]] = []
     probe_base = 0
@@ -786,13 +824,43 @@ def main() -> int:
                        for k in ("gaps", "resyncs", "events_rejected", "replayed_batches", "shed_batches")},
                     "workers_not_live": after["not_live"], "router_threads": threads}
 
+        def cpu_phase(rate: float, tag: str) -> dict[str, Any]:
+            """Streaming alone (no queries, no prober): the router's CPU per batch it applied, from
+            /proc, over the streaming window only (the batches applied in that same window)."""
+            _wait_caught_up(http_port, streamer, timeout_s=2 * CATCH_UP_S)
+            counters0 = _ingest_counters(http_port)
+            applied0 = _batches_applied(http_port)
+            spy = _profile(router.pid, args.profile, tag, duration, idle=args.profile_idle) if args.profile else None
+            threads0, c0, t0 = _thread_counters(router.pid), _cpu_s(router.pid), time.perf_counter()
+            before = streamer.published_blocks
+            streamer.run(rate, duration, 0)
+            elapsed = time.perf_counter() - t0
+            cpu = _cpu_s(router.pid) - c0
+            applied = _batches_applied(http_port) - applied0
+            threads = _thread_rates(thread_names, threads0, _thread_counters(router.pid), elapsed)
+            streamed = (streamer.published_blocks - before) / elapsed
+            if spy is not None:
+                spy.wait(60)
+            _wait_caught_up(http_port, streamer, timeout_s=2 * CATCH_UP_S, required=False)
+            after = _ingest_counters(http_port)
+            return {"rate": rate, "streamed_blocks_per_s": streamed, "batches_applied": applied,
+                    "router_cpu_cores": cpu / elapsed,
+                    "router_cpu_us_per_batch": cpu / applied * 1e6 if applied else float("nan"),
+                    **{k: after[k] - counters0[k] for k in ("gaps", "resyncs", "shed_batches")},
+                    "router_threads": threads}
+
         def query_phase(kind: str) -> dict[str, Any]:
             """/route at saturation over ``kind`` (zmq: a DEALER window; http: wrk), no events."""
             _wait_caught_up(http_port, streamer)
             proc = _loadgen({**base, "mode": kind, "rate": 0}, env)
+            if args.profile:
+                _profile(router.pid, args.profile, f"{kind}-route", duration, idle=args.profile_idle)
+            threads0 = _thread_counters(router.pid)
             c0, t0 = _cpu_s(router.pid), time.perf_counter()
             streamer.run(0, duration + 0.5, 0)
             out = _result(proc)
+            out["router_threads"] = _thread_rates(thread_names, threads0, _thread_counters(router.pid),
+                                                  time.perf_counter() - t0)
             out["router_cpu_cores"] = (_cpu_s(router.pid) - c0) / (time.perf_counter() - t0)
             out["router_cpu_us_per_request"] = (out["router_cpu_cores"] * (time.perf_counter() - t0)
                                                 / max(1, out["requests"]) * 1e6)
@@ -800,6 +868,12 @@ def main() -> int:
 
         for r in range(repeats):
             rnd: dict[str, Any] = {}
+            if "cpu" in parts:
+                rnd["cpu"] = []
+                for rate in [0.0, *rates]:
+                    row = cpu_phase(rate, f"cpu-{rate:g}-r{r + 1}")
+                    _show(f"round {r + 1} cpu {rate:g}/s", row)
+                    rnd["cpu"].append(row)
             if "ingest" in parts:
                 idle = ingest_phase(0)
                 _show(f"round {r + 1} ingest idle", idle)
@@ -839,6 +913,14 @@ def main() -> int:
 def _summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     figures: dict[str, list[float]] = {}
     for rnd in rounds:
+        for row in rnd.get("cpu", []):
+            tag = "idle" if row["rate"] == 0 else f"{row['rate']:g}"
+            for key in ("router_cpu_cores", "router_cpu_us_per_batch", "streamed_blocks_per_s", "shed_batches",
+                        "resyncs"):
+                figures.setdefault(f"cpu[{tag}].{key}", []).append(row[key])
+            for thread, rates in row.get("router_threads", {}).items():
+                for key in ("cores", "vol_switches_per_s", "invol_switches_per_s"):
+                    figures.setdefault(f"cpu[{tag}].thread[{thread}].{key}", []).append(rates[key])
         for row in rnd.get("ingest", []):
             tag = "idle" if row["rate"] == 0 else f"{row['rate']:g}"
             for key in ("match_req_per_s", "match_vs_idle", "visible_p50_ms", "visible_p99_ms", "visible_max_ms",

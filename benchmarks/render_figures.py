@@ -126,6 +126,42 @@ def _live_against(data: Any) -> str:
             f"peers' controls proven {proven} / {controls}")
 
 
+def _ab(data: Any, side: str, key: str, fmt: str = "{:.0f}") -> str:
+    s = data["sides"][side][key]
+    return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}-{fmt.format(s['max'])})"
+
+
+def _ingest_cpu(data: Any) -> str:
+    return _ab(data, "this", "serve_cpu_us_per_batch_100k") + " µs"
+
+
+def _ingest_cpu_against(data: Any) -> str:
+    return (f"{_ab(data, 'this', 'serve_over_in_process_batch_100k', '{:.1f}')}x in process (same runs); "
+            f"main {_ab(data, 'main', 'serve_cpu_us_per_batch_100k')} µs")
+
+
+def _match_ratio(data: Any) -> str:
+    return _ab(data, "this", "match_vs_idle_100k", "{:.2f}")
+
+
+def _match_against(data: Any) -> str:
+    return (f"main {_ab(data, 'main', 'match_vs_idle_100k', '{:.2f}')}; publish -> visible p99 "
+            f"{_ab(data, 'this', 'visible_p99_ms_100k')} ms (main {_ab(data, 'main', 'visible_p99_ms_100k')})")
+
+
+def _zmq_cpu(data: Any) -> str:
+    return _ab(data, "this", "zmq_route_cpu_us_per_request") + " µs"
+
+
+def _zmq_against(data: Any) -> str:
+    return (f"{_ab(data, 'this', 'serve_over_in_process_zmq_route', '{:.2f}')}x in process; "
+            f"{_ab(data, 'this', 'zmq_route_req_per_s')} req/s; main "
+            f"{_ab(data, 'main', 'zmq_route_cpu_us_per_request')} µs")
+
+
+_AB = "`benchmarks/ab_summary.py` ([benchmarks.md](docs/benchmarks.md#ingest-and-the-zmq-route-in-serve-issue-33))"
+
+
 def _epp_agreement(data: Any) -> str:
     rows = [v for k, v in sorted(data["agreement"].items()) if k.startswith("window_")]
     return f"{sum(r['agree'] for r in rows):,} / {sum(r['requests'] for r in rows):,}"
@@ -196,6 +232,13 @@ FIGURES: list[Figure] = [
            _faults_bad_frames_against, "same"),
     Figure("fault matrix: one engine's stream shed at 200k blocks/s, then steady routed load: routing hit "
            "ratio (second half of the load)", "faults.json", _shed_hit, _shed_against, "same"),
+    Figure("`serve`: router CPU per ingested batch (32 stored + 32 removed blocks), 100k blocks/s, 8 "
+           "publishers, no queries, median (min-max) of 3", "ingest-serve.json",
+           _ingest_cpu, _ingest_cpu_against, _AB),
+    Figure("... `/match` (wrk) while 100k blocks/s stream in, over idle in the same run", "ingest-serve.json",
+           _match_ratio, _match_against, "same"),
+    Figure("... ZMQ `route`, 1k-token prompts at saturation: router CPU per request", "ingest-serve.json",
+           _zmq_cpu, _zmq_against, "same"),
     Figure("native decoder `csrc/ingest_decode.c` fuzzed under AddressSanitizer + UBSan: executions, each "
            "compared with the typed path on a twin index", "fuzz-ingest.json", _fuzz_executions, _fuzz_against,
            "`fuzz/run.py campaign ingest --seconds 1860 --keep` (copy of build/fuzz/logs/ingest-*.json)"),

@@ -509,6 +509,79 @@ static PyObject *Core_apply_raw(Core *c, PyObject *args) {
     return out;
 }
 
+/* apply_raw_many(names, payloads, block_sizes, root) -> [result | None | MemoryError, ...]:
+ * apply_raw(name, payload, bs, root, False) for each job in order, the GIL given away once
+ * for the whole run (when its payloads reach RAW_RELEASE_BYTES, ingest_decode.h) instead of
+ * once per batch. Stops after the first
+ * job the raw path does not take (None), refuses whole (unknown parent) or that runs out
+ * of memory (the MemoryError instance in its place, nothing of it applied): one entry per
+ * job tried, every job before the last entry applied. A bad argument raises before
+ * anything is applied. */
+static PyObject *Core_apply_raw_many(Core *c, PyObject *args) {
+    PyObject *names, *payloads, *sizes;
+    unsigned long long root;
+    if (!PyArg_ParseTuple(args, "O!O!O!K", &PyList_Type, &names, &PyList_Type, &payloads, &PyList_Type, &sizes,
+                          &root))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(names);
+    if (PyList_GET_SIZE(payloads) != n || PyList_GET_SIZE(sizes) != n) {
+        PyErr_SetString(PyExc_ValueError, "apply_raw_many: names, payloads and block_sizes differ in length");
+        return NULL;
+    }
+    Py_buffer *bufs = tsr_calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    int *slots = tsr_calloc((size_t)(n ? n : 1), sizeof(int));
+    long *bss = tsr_calloc((size_t)(n ? n : 1), sizeof(long));
+    RawRes *res = tsr_calloc((size_t)(n ? n : 1), sizeof(RawRes));
+    PyObject *out = NULL;
+    Py_ssize_t got = 0, tried = 0, total = 0;
+    if (!bufs || !slots || !bss || !res) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        if ((slots[got] = slot_lookup(c, PyList_GET_ITEM(names, got))) < 0) goto done;
+        bss[got] = PyLong_AsLong(PyList_GET_ITEM(sizes, got));
+        if (bss[got] == -1 && PyErr_Occurred()) goto done;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(payloads, got), &bufs[got], PyBUF_SIMPLE) < 0) goto done;
+        total += bufs[got].len;
+    }
+    PyThreadState *ts = total >= RAW_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
+    while (tried < n) {
+        RawRes *r = &res[tried];
+        raw_run(c, slots[tried], bufs[tried].buf, bufs[tried].len, bss[tried], root, 0, r, &ts);
+        tried++;
+        if (r->rc != RAW_OK || r->o.err || r->o.unknown_parent) break;
+    }
+    if (ts) PyEval_RestoreThread(ts);
+    if (!(out = PyList_New(tried))) goto done;
+    for (Py_ssize_t i = 0; i < tried; i++) {
+        PyObject *one = raw_result(&res[i]);
+        if (!one) { /* out of memory for that batch: hand the error over in its place */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+            one = value;
+        }
+        PyList_SET_ITEM(out, i, one);
+    }
+    for (Py_ssize_t i = 0; i < tried; i++) { /* as Core_apply_raw does after each batch */
+        int s = slots[i];
+        if (c->w[s].ext.len == 0 && !c->logging)
+            Py_CLEAR(c->w[s].bytes_ids);
+        else
+            prune_bytes(c, s);
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    tsr_free(bufs);
+    tsr_free(slots);
+    tsr_free(bss);
+    tsr_free(res);
+    return out;
+}
+
 static PyObject *Core_begin(Core *c, PyObject *unused) {
     wlock(c);
     c->nlog = 0;
@@ -772,6 +845,8 @@ static PyMethodDef Core_methods[] = {
     {"remove", (PyCFunction)Core_remove, METH_VARARGS, "remove(name, ids, tier, unspecified)"},
     {"clear", (PyCFunction)Core_clear, METH_VARARGS, "clear(name, tier) -> blocks gone"},
     {"apply_raw", (PyCFunction)Core_apply_raw, METH_VARARGS, "apply_raw(name, payload, bs, root, salvage)"},
+    {"apply_raw_many", (PyCFunction)Core_apply_raw_many, METH_VARARGS,
+     "apply_raw_many(names, payloads, block_sizes, root): apply_raw of each in order, one GIL hand-over"},
     {"begin", (PyCFunction)Core_begin, METH_NOARGS, "start recording an undo log"},
     {"commit", (PyCFunction)Core_commit, METH_NOARGS, "forget the undo log"},
     {"rollback", (PyCFunction)Core_rollback, METH_NOARGS, "undo everything since begin()"},

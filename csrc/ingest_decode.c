@@ -219,7 +219,7 @@ PyObject *mod_set_media(PyObject *m, PyObject *pairs) {
 /* ------------------------------------------------------------ the decoded plan */
 
 enum { RE_STORE = 1, RE_REMOVE = 2, RE_CLEAR = 3 };
-enum { RAW_OK = 0, RAW_NOT_MINE = 1, RAW_NOMEM = 2 };
+/* RAW_OK, RAW_NOT_MINE, RAW_NOMEM: ingest_decode.h */
 
 typedef struct {
     u8 kind, tier, unspecified, has_parent, pkind;
@@ -572,15 +572,6 @@ static int plan_store(Core *c, int s, Plan *pl, const REv *e, u64 root, long *ad
     return hold_chain(c, s, keys, kinds, toks, n, ntok, bs, nfull, h, unm, e->tier, added, dup);
 }
 
-typedef struct {
-    long stored, dup, removed, unknown, cleared, mismatch;
-    long rejected;          /* salvage: events refused (unknown parent) */
-    Py_ssize_t last_clear;  /* salvage: index of the last whole-cache clear applied, -1 none */
-    Py_ssize_t last_reject; /* salvage: index of the last refused event, -1 none */
-    int unknown_parent;     /* atomic mode: the batch was refused and rolled back */
-    int err;                /* E_NOMEM: out of memory (atomic mode: rolled back) */
-} RawOut;
-
 /* Apply every event of the plan, each under its own lock hold. GIL not needed.
  * salvage=0: all or nothing (undo log, as KvIndex.apply);
  * salvage=1: event by event, refused stores skipped and counted (IndexIngestor._salvage).
@@ -678,44 +669,64 @@ static int plan_bytes(Core *c, int s, Plan *pl, const u8 *base) {
     return 0;
 }
 
-PyObject *raw_apply(Core *c, int s, const void *data, Py_ssize_t len, long bs, u64 root, int salvage) {
+/* Read and apply one batch to slot s (ingest_decode.h: RawRes). *ts is the caller's saved
+ * thread state while the GIL is released (NULL: held); it is taken back only for the bytes
+ * ids, which need Python objects, and given away again. */
+void raw_run(Core *c, int s, const void *data, Py_ssize_t len, long bs, u64 root, int salvage, RawRes *r,
+             PyThreadState **ts) {
     Plan pl;
     memset(&pl, 0, sizeof(pl));
-    RawOut o;
-    memset(&o, 0, sizeof(o));
+    memset(r, 0, sizeof(*r));
     const u8 *base = data;
-    int big = len >= 2048;
-    int rc;
-    PyThreadState *ts = NULL;
-    if (big) ts = PyEval_SaveThread();
-    rc = plan_read(base, (size_t)len, &pl);
+    int rc = plan_read(base, (size_t)len, &pl);
     if (rc == RAW_OK) {
         for (Py_ssize_t i = 0; i < pl.nev; i++)
             if (pl.ev[i].kind == RE_STORE && pl.ev[i].bs != bs) rc = RAW_NOT_MINE; /* another grid: Python adopts */
     }
     if (rc == RAW_OK && pl.has_bytes) {
-        if (ts) PyEval_RestoreThread(ts);
-        ts = NULL;
-        if (plan_bytes(c, s, &pl, base) < 0) {
-            plan_free(&pl);
-            return NULL;
+        int released = *ts != NULL;
+        if (released) PyEval_RestoreThread(*ts);
+        *ts = NULL;
+        int bad = plan_bytes(c, s, &pl, base) < 0;
+        if (bad) {
+            PyErr_Clear(); /* reported as out of memory, below */
+            rc = RAW_NOMEM;
         }
-        if (big) ts = PyEval_SaveThread();
+        if (released) *ts = PyEval_SaveThread();
     }
-    if (rc == RAW_OK) plan_apply(c, s, &pl, root, salvage, &o);
-    if (ts) PyEval_RestoreThread(ts);
-    double bts = pl.ts;
-    Py_ssize_t nev = pl.nev;
-    int flags = (pl.has_store ? 1 : 0) | (pl.has_clear_all ? 2 : 0);
+    if (rc == RAW_OK) plan_apply(c, s, &pl, root, salvage, &r->o);
+    r->rc = rc;
+    r->ts = pl.ts;
+    r->nev = pl.nev;
+    r->flags = (pl.has_store ? 1 : 0) | (pl.has_clear_all ? 2 : 0);
+    /* the worker's blocks after the batch (what Core.info counts first; the writer reads its own len) */
+    r->blocks = (Py_ssize_t)c->w[s].ext.len;
     plan_free(&pl);
-    if (rc == RAW_NOMEM || o.err) {
+}
+
+/* The Python answer of one raw_run: None (not the fast case, nothing changed), the result
+ * tuple, or NULL with MemoryError set (nothing of the batch applied). GIL held. */
+PyObject *raw_result(const RawRes *r) {
+    if (r->rc == RAW_NOMEM || r->o.err) {
         PyErr_SetString(PyExc_MemoryError, "out of memory applying a KV event batch (nothing of it applied)");
         return NULL;
     }
-    if (rc != RAW_OK) Py_RETURN_NONE;
-    return Py_BuildValue("dnlllllliilnn", bts, nev, o.stored, o.dup, o.removed, o.unknown, o.cleared, o.mismatch,
-                         flags, o.unknown_parent, o.rejected, o.last_clear, o.last_reject);
+    if (r->rc != RAW_OK) Py_RETURN_NONE;
+    const RawOut *o = &r->o;
+    return Py_BuildValue("dnlllllliilnnn", r->ts, r->nev, o->stored, o->dup, o->removed, o->unknown, o->cleared,
+                         o->mismatch, r->flags, o->unknown_parent, o->rejected, o->last_clear, o->last_reject,
+                         r->blocks);
 }
+
+PyObject *raw_apply(Core *c, int s, const void *data, Py_ssize_t len, long bs, u64 root, int salvage) {
+    RawRes r;
+    PyThreadState *ts = len >= RAW_RELEASE_BYTES ? PyEval_SaveThread() : NULL;
+    raw_run(c, s, data, len, bs, root, salvage, &r, &ts);
+    if (ts) PyEval_RestoreThread(ts);
+    return raw_result(&r);
+}
+
+#define SCAN_RELEASE_BYTES 65536
 
 /* scan_batch(payload) -> the batch timestamp when apply_raw could take it whole
  * (the structure and the checks of the typed decoder, on the fast subset), else None. */
@@ -725,7 +736,10 @@ PyObject *mod_scan_batch(PyObject *m, PyObject *arg) {
     Plan pl;
     memset(&pl, 0, sizeof(pl));
     int rc;
-    if (buf.len >= 2048) {
+    /* A receiving thread scans every frame as it reads it: giving the GIL away for a few
+     * microseconds of reading hands it to a query thread that then holds it for up to the
+     * switch interval (0.5 ms in serve), per frame. Only a big payload is worth that. */
+    if (buf.len >= SCAN_RELEASE_BYTES) {
         Py_BEGIN_ALLOW_THREADS
         rc = plan_read(buf.buf, (size_t)buf.len, &pl);
         Py_END_ALLOW_THREADS

@@ -16,6 +16,8 @@
  *   core_type.[ch] the Python type Core that drives the index core
  *   hashing.c    hash_blocks, chain_hash
  *   msgpack.c    msgpack_tokens: a request's raw token_ids array -> native u64s
+ *   zmq_drain.c  zmq_link, zmq_drain, zmq_send_all: every message waiting on a ZeroMQ socket
+ *                read in one call, a list of messages sent in one (through pyzmq's libzmq)
  *
  * What it holds (the semantics are those of tokenspeed_router/router/index_reference.py,
  * the readable pure-Python model; router/index.py drives both the same way):
@@ -31,7 +33,7 @@
  * Threading contract (see docs/kv-index.md):
  *   - One writer thread at a time calls the mutating methods (register,
  *     unregister, set_block_size, store, store_hashed, remove, clear, begin,
- *     commit, rollback). Any number of threads may call the readers (match,
+ *     commit, rollback, apply_raw, apply_raw_many). Any number of threads may call the readers (match,
  *     match_detail, info, items, workers) concurrently with it.
  *   - A pthread rwlock guards the tables. Every operation holds it only for
  *     its own work (one event, one query): a query never waits behind a whole
@@ -85,6 +87,9 @@ static PyMethodDef mod_methods[] = {
     {"msgpack_tokens", mod_msgpack_tokens, METH_O, "a msgpack array of token ids in [0, 2**63) -> native u64 bytes"},
     {"scan_batch", mod_scan_batch, METH_O, "scan_batch(payload) -> ts when apply_raw can take it, else None"},
     {"set_media", mod_set_media, METH_O, "set_media([(name, code), ...]): the tier spellings of the raw decoder"},
+    {"zmq_link", mod_zmq_link, METH_O, "zmq_link(path) -> bool: use the libzmq pyzmq loaded from path"},
+    {"zmq_drain", mod_zmq_drain, METH_VARARGS, "zmq_drain(socket_address, max) -> every waiting message's frames"},
+    {"zmq_send_all", mod_zmq_send_all, METH_VARARGS, "zmq_send_all(socket_address, messages) -> messages sent"},
     {"_fail_alloc_after", mod_fail_alloc_after, METH_O, "tests only: make the n-th allocation from now fail (0: off)"},
     {NULL, NULL, 0, NULL},
 };

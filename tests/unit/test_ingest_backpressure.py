@@ -1,4 +1,4 @@
-"""Ingest off the query path: the apply queue's back-pressure, lag and shedding (real ZeroMQ)."""
+"""Ingest off the query path: passes read and applied on one thread, lag and shedding (real ZeroMQ)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 import msgspec
+import zmq
 from support import wait_until
 from support.raw_stream import BAD_PAYLOADS, RawStream, bad_frames
 from support.server import batch, stored, tokens
@@ -21,8 +22,11 @@ from tokenspeed_router.events.subscriber import (
     ResyncNeeded,
     SubscriberItem,
 )
+from tokenspeed_router.router.router import WorkerRole
 from tokenspeed_router.server import RouterService, ServerConfig, WorkerSpec
-from tokenspeed_router.server.apply_queue import ApplyQueue, IngestLag
+from tokenspeed_router.server.ingest_lag import IngestLag, PassApplier
+from tokenspeed_router.server.ingest_loop import IngestLoop
+from tokenspeed_router.server.worker_spec import SubscriberSpec
 
 
 def _item(worker: str, seq: int, ts: float) -> BatchReceived:
@@ -30,36 +34,50 @@ def _item(worker: str, seq: int, ts: float) -> BatchReceived:
     return BatchReceived(worker, seq, b, b"", b"", time.time(), 0, False)
 
 
-def test_queue_applies_in_order_and_holds_the_receiver_back_when_full() -> None:
+def test_a_pass_reads_at_most_queue_capacity_items_and_applies_them_in_order_in_one_call() -> None:
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", hwm=100_000)  # no replay: the first seq seen starts
     gate = threading.Event()
-    applied: list[int] = []
+    calls: list[list[int]] = []
+
+    def apply_many(items: Sequence[SubscriberItem]) -> list[tuple[SubscriberItem, Exception]]:
+        calls.append([item.seq for item in items if isinstance(item, BatchReceived)])
+        gate.wait(10)  # the thread applies: nothing more is read meanwhile
+        return []
 
     def apply(item: SubscriberItem) -> None:
-        gate.wait(10)
-        assert isinstance(item, BatchReceived)
-        applied.append(item.seq)
+        raise AssertionError("apply_many takes every pass")
 
-    lag = IngestLag(lagging_after_s=0.25)
-    queue = ApplyQueue(apply, capacity=2, lag=lag, on_error=lambda: None)
-    queue.start()
+    ctx = zmq.Context()
+    loop = IngestLoop(context=ctx, submit=apply, submit_many=apply_many, on_stale=lambda name: None,
+                      on_error=lambda: None, stale_after_s=60, replay_timeout_s=1, queue_capacity=2)
+    spec = SubscriberSpec(name="w", worker="w", dp_rank=0, events=pub.endpoint, replay=None, topic="",
+                          role=WorkerRole.BOTH)
+    loop.start([spec])
     try:
-        now = time.time()
-        queue.put([_item("w", 0, now)])  # taken by the applying thread, which waits at the gate
-        wait_until(lambda: queue.depth == 0, 5, what="first item taken")
-        queue.put([_item("w", 1, now), _item("w", 2, now)])  # fills the queue
-        done = threading.Event()
-        putter = threading.Thread(target=lambda: (queue.put([_item("w", 3, now)]), done.set()))
-        putter.start()
-        wait_until(lambda: queue.full_waits == 1, 5, what="the receiver waits for room")
-        assert not done.is_set() and lag.status()["w"].queued == 4
+        def first_pass() -> bool:  # the slow joiner drops what is published before it is connected
+            if not calls:
+                pub.publish(KVEventBatch(time.time(), []))
+                pub.wait_sent(5)
+            return bool(calls)
+
+        wait_until(first_pass, 10, interval_s=0.05, what="a first pass")
+        first = calls[0][0]
+        assert loop.queue_stats()["depth"] == len(calls[0]) and loop.lag()["w"].queued == len(calls[0])
+        end = pub.statistics().published + 5
+        for _ in range(5):  # waiting in the SUB socket while the pass applies
+            pub.publish(KVEventBatch(time.time(), []))
+        pub.wait_sent(5)
         gate.set()
-        putter.join(5)
-        assert done.is_set() and queue.flush(10)
-        assert applied == [0, 1, 2, 3]
-        assert lag.status()["w"].queued == 0 and queue.max_depth == 2
+        wait_until(lambda: calls and calls[-1] and calls[-1][-1] == end - 1, 10, what="every batch applied")
+        assert all(1 <= len(c) <= 2 for c in calls)
+        assert [seq for c in calls for seq in c] == list(range(first, end))
+        assert loop.queue_stats() == {"depth": 0.0, "capacity": 2.0, "max_depth": 2.0}
+        assert loop.lag()["w"].queued == 0
     finally:
         gate.set()
-        queue.stop()
+        loop.stop()
+        pub.close()
+        ctx.term()
 
 
 def test_apply_errors_are_counted_not_fatal() -> None:
@@ -72,59 +90,56 @@ def test_apply_errors_are_counted_not_fatal() -> None:
             raise RuntimeError("boom")
         seen.append(item.seq)
 
-    queue = ApplyQueue(apply, capacity=8, lag=IngestLag(lagging_after_s=1), on_error=lambda: errors.append(1))
-    queue.start()
-    try:
-        queue.put([_item("w", i, time.time()) for i in range(3)])
-        assert queue.flush(5)
-        assert seen == [0, 2] and errors == [1]
-    finally:
-        queue.stop()
+    applier = PassApplier(apply, on_error=lambda: errors.append(1))
+    applier([_item("w", i, time.time()) for i in range(3)])
+    assert seen == [0, 2] and errors == [1]
+    assert applier.applied == 3 and applier.max_pass == 3
 
 
-def test_drained_items_go_over_in_one_call_in_order_and_failures_are_counted() -> None:
-    gate = threading.Event()
+def test_a_pass_goes_over_in_one_call_in_order_and_failures_are_counted() -> None:
     calls: list[list[int]] = []
     errors: list[int] = []
 
     def apply_many(items: Sequence[SubscriberItem]) -> list[tuple[SubscriberItem, Exception]]:
-        gate.wait(10)
         calls.append([item.seq for item in items if isinstance(item, BatchReceived)])
         return [(item, RuntimeError("boom")) for item in items if isinstance(item, BatchReceived) and item.seq == 2]
 
     def apply(item: SubscriberItem) -> None:
         raise AssertionError("apply_many takes every item")
 
-    lag = IngestLag(lagging_after_s=1)
-    queue = ApplyQueue(apply, capacity=16, lag=lag, on_error=lambda: errors.append(1), apply_many=apply_many)
-    queue.start()
-    try:
-        now = time.time()
-        queue.put([_item("w", 0, now)])  # taken alone: the thread then waits at the gate
-        wait_until(lambda: queue.depth == 0, 5, what="first item taken")
-        queue.put([_item("w", i, now) for i in range(1, 5)])  # queued meanwhile: one drain
-        gate.set()
-        assert queue.flush(10)
-        assert calls == [[0], [1, 2, 3, 4]] and errors == [1]
-        assert lag.status()["w"].queued == 0
-    finally:
-        gate.set()
-        queue.stop()
+    applier = PassApplier(apply, on_error=lambda: errors.append(1), apply_many=apply_many)
+    now = time.time()
+    applier([_item("w", 0, now)])
+    applier([_item("w", i, now) for i in range(1, 5)])
+    assert calls == [[0], [1, 2, 3, 4]] and errors == [1]
+
+    def broken(items: Sequence[SubscriberItem]) -> list[tuple[SubscriberItem, Exception]]:
+        raise RuntimeError("the call itself")
+
+    PassApplier(apply, on_error=lambda: errors.append(1), apply_many=broken)([_item("w", 5, now)])
+    assert errors == [1, 1]
 
 
 def test_lag_is_measured_against_the_streams_own_clock_offset() -> None:
     lag = IngestLag(lagging_after_s=0.25)
     now = time.time()
     skewed = now + 100.0  # a publisher whose clock runs 100 s ahead: every delay looks like -100 s
-    on_time = BatchReceived("w", 0, KVEventBatch(skewed, []), b"", b"", now, 0, False)
-    assert lag.receive_excess(on_time) == 0.0
-    late = BatchReceived("w", 1, KVEventBatch(skewed - 3.0, []), b"", b"", now + 0.001, 0, False)
-    assert 2.9 < lag.receive_excess(late) < 3.1  # 3 s later than this stream's floor
-    lag.queued("w", 1)
-    lag.applied(late, now + 0.002)
+
+    def received(seq: int, ts: float, max_lag_s: float) -> set[str]:
+        return lag.received([BatchReceived("w", seq, KVEventBatch(ts, []), b"", b"", now + 0.001, 0, False)],
+                            max_lag_s)
+
+    assert received(0, skewed, 0.0) == set()  # on time: the stream's floor, whatever the clocks say
+    assert received(1, skewed - 3.0, 3.1) == set()  # 3 s later than the floor: not past 3.1 s
+    assert received(2, skewed - 3.0, 2.9) == {"w"}  # past 2.9 s: shed
+    assert lag.status()["w"].queued == 3
+    lag.caught_up(["w"])
+    assert lag.status()["w"].queued == 3  # items pending: not caught up
+    late = BatchReceived("w", 2, KVEventBatch(skewed - 3.0, []), b"", b"", now + 0.001, 0, False)
+    lag.applied([late, late, late], now + 0.002)
     st = lag.status()["w"]
-    assert st.lagging and st.apply_delay_s is not None and st.apply_delay_s > 2.9
-    lag.caught_up("w")
+    assert st.lagging and st.apply_delay_s is not None and st.apply_delay_s > 2.9 and st.queued == 0
+    lag.caught_up(["w"])
     assert not lag.status()["w"].lagging
 
 
@@ -224,11 +239,10 @@ def test_service_sheds_a_stream_that_fell_behind_and_recovers() -> None:
         wait_until(on_time_live_batch, 10, interval_s=0.05, what="a live batch sets the stream's clock floor")
         base = service.workers()["w0"]["batches_applied"]
         late = 800
-        with service.locked():  # the applying thread waits: queue full, receiver held back
+        with service.locked():  # the ingestion thread cannot apply: the late batches wait in its socket
             for k in range(late):
                 pub.publish(KVEventBatch(time.time() - 5.0, [stored(tokens(100 + k, 1))]))
             pub.wait_sent(10)
-            wait_until(lambda: service.workers()["w0"]["ingest_queued"] >= 2, 10, what="receiver blocked")
 
         def accounted() -> bool:
             w = service.workers()["w0"]

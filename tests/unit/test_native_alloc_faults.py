@@ -185,3 +185,47 @@ def test_every_allocation_failure_leaves_the_index_unchanged(name: str) -> None:
     # the few that allocate nothing cannot fail this way (a whole-cache clear, dropping a
     # worker: they free tables)
     assert (failed == 0) == (name in NO_ALLOCATION), f"{name}: {failed} allocations"
+
+
+def _run_jobs() -> list[tuple[str, bytes]]:
+    """A run for ``apply_raw_many``: stores on both workers, a removal, a bytes-id store (Python objects)."""
+    return [
+        ("w0", _raw([_ev("BlockStored", block_hashes=list(range(600, 640)), parent_block_hash=None,
+                         token_ids=_toks(61000, 40 * BS), block_size=BS)])),
+        ("w1", _raw([["BlockStored", [b"r", b"s"], None, _toks(62000, 2 * BS), BS]])),
+        ("w0", _raw([["BlockRemoved", [600, 601, 1]], _ev("BlockStored", block_hashes=[650, 651],
+                                                         parent_block_hash=639, token_ids=_toks(63000, 2 * BS),
+                                                         block_size=BS)])),
+    ]
+
+
+def test_an_allocation_failure_in_a_run_stops_it_at_that_batch_with_nothing_of_it_applied() -> None:
+    jobs = _run_jobs()
+    clean = _base()
+    want = clean.apply_raw_many(jobs)
+    assert len(want) == len(jobs) and all(not isinstance(w, Exception) and w is not None for w in want)
+    failed = 0
+    for k in range(1, MAX_K):
+        index = _base()
+        _native._fail_alloc_after(k)
+        try:
+            got = index.apply_raw_many(jobs)
+        except MemoryError:  # before anything was applied (the call's own bookkeeping)
+            assert _native._fail_alloc_after(0) == 0
+            assert _state(index) == _state(_base())
+            failed += 1
+            continue
+        finally:
+            left = _native._fail_alloc_after(0)
+        if left > 0:  # nothing failed: the whole run as without the fault
+            assert repr(got) == repr(want) and _state(index) == _state(clean)
+            break
+        failed += 1
+        assert isinstance(got[-1], MemoryError) and all(not isinstance(g, Exception) for g in got[:-1])
+        # the batches before it applied, it did not: applying it and the rest now ends where the clean run did
+        for worker, payload in jobs[len(got) - 1:]:
+            index.apply_raw(worker, payload)
+        assert _state(index) == _state(clean), f"allocation {k}: a batch was half applied"
+    else:
+        pytest.fail(f"apply_raw_many still failed at allocation {MAX_K}")
+    assert failed > 0

@@ -81,9 +81,11 @@ class FrameReader:
             self._worker, reason, *args,
         )
 
-    def parse_live(self, frames: list[bytes]) -> Message | None:
-        """A live message, or None (counted) when it is not one we can use."""
-        now = time.time()
+    def parse_live(self, frames: list[bytes], now: float | None = None) -> Message | None:
+        """A live message received at ``now`` (wall clock; default: now), or None (counted)
+        when it is not one we can use."""
+        if now is None:
+            now = time.time()
         self.received += 1
         self.last_recv_time_s = now
         if len(frames) != 3:

@@ -10,7 +10,7 @@ Duplicates versus restarts: a seq below the expected one is either a copy of a
 batch already seen (a live message that also came back through replay) or the
 first batch of a restarted publisher that happens to reuse an old number.
 Sequence numbers alone cannot tell them apart, so the tracker remembers a
-fingerprint (CRC32 and length) of the last ``window`` batches observed *with*
+fingerprint (a 64-bit hash and the length) of the last ``window`` batches observed *with*
 their payload (the live subscriber passes every payload, live or replayed): a
 lower seq -- including an exact repeat of the last one -- whose payload matches
 is a duplicate, one whose payload differs is a restart. That is what catches a
@@ -48,6 +48,11 @@ from __future__ import annotations
 import enum
 import zlib
 from dataclasses import dataclass
+
+try:  # XXH3 from the compiled extension: a seventh of CRC32's time on a 3 KB batch
+    from tokenspeed_router._native import chain_hash as _hash
+except ImportError:
+    _hash = None  # type: ignore[assignment]
 
 __all__ = ["SequenceTracker", "Verdict", "VerdictKind"]
 
@@ -90,6 +95,9 @@ class Verdict:
 
 
 def _fingerprint(payload: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """What tells two payloads under one seq apart: in-process only, never stored or sent."""
+    if _hash is not None:
+        return _hash(payload), len(payload)
     return zlib.crc32(payload), len(payload)
 
 
@@ -153,6 +161,18 @@ class SequenceTracker:
             self._fillers.clear()
         self._accept(seq, payload)
         return verdict
+
+    def advance_if_next(self, seq: int, payload: bytes | bytearray | memoryview | None = None) -> bool:
+        """Commit ``seq`` when it is the one due (or anything is), as :meth:`observe` does for
+        an IN_ORDER verdict, and say so; otherwise change nothing and return False.
+
+        The stream's common case, without building a :class:`Verdict` twice.
+        """
+        expected = self._expected
+        if expected is None or seq == expected:
+            self._accept(seq, payload)
+            return True
+        return False
 
     def note_filler(self, seq: int) -> None:
         """``seq`` carried a well-formed batch with nothing to apply (module docstring).

@@ -110,6 +110,7 @@ from tokenspeed_router.events.replay_merge import (
     merge_replay,
 )
 from tokenspeed_router.events.sequencing import SequenceTracker, VerdictKind
+from tokenspeed_router.events.zmq_native import drainer
 
 # The items are defined in events/items.py; they are named here too, where every
 # consumer has always imported them from.
@@ -138,6 +139,7 @@ _MAX_SHED_PER_CALL = 100_000
 _TRACKER_WINDOW = 16_384
 # A join replay nobody answered is asked again, backing off from replay_timeout_s up to this.
 _JOIN_RETRY_MAX_S = 30.0
+_EVENTS, _POLLIN, _RCVMORE, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE), int(zmq.NOBLOCK)
 
 
 class _Fillers:
@@ -159,6 +161,8 @@ class EventSubscriber:
     publisher that is a CURVE server (the relay's ``--curve-*``).
     ``monitor_events`` (``zmq.EVENT_*`` flags) attaches a socket monitor
     before the SUB connects, so no connection event is missed (:attr:`monitor`).
+    ``native_drain=False`` reads the SUB socket through pyzmq even when the
+    compiled drain is available (``events/zmq_native.py``; tests compare the two).
 
     ``poll(timeout_s)`` waits up to ``timeout_s`` and returns the items ready
     (possibly none); ``process_ready()`` never waits. ``context`` is borrowed
@@ -178,6 +182,7 @@ class EventSubscriber:
         start_seq: int | None = None,
         curve: CurveClientKeys | None = None,
         monitor_events: int = 0,
+        native_drain: bool = True,
     ) -> None:
         if replay_timeout_s <= 0:
             raise ValueError(f"replay_timeout_s must be > 0, got {replay_timeout_s}")
@@ -205,6 +210,8 @@ class EventSubscriber:
             self._sub.get_monitor_socket(monitor_events) if monitor_events else None
         )
         self._sub.connect(endpoint)
+        #: the native drain of the SUB socket (None: pyzmq's recv), see _read_live
+        self._drain = drainer(self._sub) if native_drain else None
         self._tracker = SequenceTracker(start_seq, window=_TRACKER_WINDOW)
         self._frames = FrameReader(worker, self._topic, max_payload_bytes, self._tracker.note_filler)
         self._replays = ReplayClient(
@@ -328,8 +335,8 @@ class EventSubscriber:
         poller.poll(max(0, int(wait_s * 1000)))
         return self.process_ready()
 
-    def process_ready(self) -> list[SubscriberItem]:
-        """Handle everything already received, without waiting."""
+    def process_ready(self, max_messages: int = _MAX_MESSAGES_PER_CALL) -> list[SubscriberItem]:
+        """Handle what is already received (at most ``max_messages`` live messages read), without waiting."""
         out: list[SubscriberItem] = []
         if self._closed:
             return out
@@ -346,16 +353,17 @@ class EventSubscriber:
                 self._start_replay(last, ReplayPurpose.VERIFY, None, out)  # see connection_reset
         self._pump_replay(out)
         self._drain_held(out)
-        for _ in range(_MAX_MESSAGES_PER_CALL):
-            try:
-                frames = self._sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            message = self._frames.parse_live(frames)
+        now = time.time()  # one receipt time for what this call reads (microseconds apart)
+        parse, held, replays = self._frames.parse_live, self._held, self._replays
+        for frames in self._read_live(min(max_messages, _MAX_MESSAGES_PER_CALL)):
+            message = parse(frames, now)
             if message is None:
                 continue
-            self._held.append(message)
-            self._drain_held(out)
+            if held or replays.pending is not None:
+                held.append(message)
+                self._drain_held(out)
+            else:  # what _drain_held would do with it, without the round trip through the deque
+                self._on_live(message, out)
         if self._replays.pending is not None:
             self._pump_replay(out)
             self._drain_held(out)
@@ -365,7 +373,7 @@ class EventSubscriber:
         """Drop the live batches waiting in the SUB socket, unapplied; report them lost.
 
         For a caller that finds this stream too far behind its publisher to
-        catch up (``server/apply_queue.py``): reading, checking (the native
+        catch up (``server/ingest_lag.py``): reading, checking (the native
         scan) and fingerprinting a message costs a few microseconds, decoding
         and applying it tens. Only batches that pass the frame checks are
         dropped (a malformed frame is counted and skipped, as on the normal
@@ -383,27 +391,32 @@ class EventSubscriber:
             return out
         first: int | None = None
         last = -1
-        for _ in range(_MAX_SHED_PER_CALL):
-            try:
-                frames = self._sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+        left = _MAX_SHED_PER_CALL
+        stopped = False
+        while left > 0 and not stopped:
+            chunk = self._read_live(min(left, _MAX_MESSAGES_PER_CALL))
+            if not chunk:
                 break
-            # Checked like any live frame (the native scan vouches for the common
-            # payloads without building objects): a frame that does not decode and
-            # validate must not move the sequence state here either -- a bad frame
-            # under the next seq would otherwise be "shed" as that batch, and the
-            # real batch, arriving after it, taken for a restart.
-            message = self._frames.parse_live(frames)
-            if message is None:
-                continue  # counted and logged by cause (malformed, or a filler)
-            if self._tracker.classify(message.seq, message.payload).kind is not VerdictKind.IN_ORDER:
-                self._held.append(message)
-                break
-            self._tracker.observe(message.seq, message.payload)
-            self._shed += 1
-            if first is None:
-                first = message.seq
-            last = message.seq
+            left -= len(chunk)
+            now = time.time()
+            for frames in chunk:
+                # Checked like any live frame (the native scan vouches for the common
+                # payloads without building objects): a frame that does not decode and
+                # validate must not move the sequence state here either -- a bad frame
+                # under the next seq would otherwise be "shed" as that batch, and the
+                # real batch, arriving after it, taken for a restart.
+                message = self._frames.parse_live(frames, now)
+                if message is None:
+                    continue  # counted and logged by cause (malformed, or a filler)
+                if stopped or not self._tracker.advance_if_next(message.seq, message.payload):
+                    # this one and the rest of the chunk take the normal path, in order
+                    self._held.append(message)
+                    stopped = True
+                    continue
+                self._shed += 1
+                if first is None:
+                    first = message.seq
+                last = message.seq
         if first is not None:
             self._resync(out, first, last + 1, RESYNC_SHED)
         self._drain_held(out)
@@ -465,6 +478,26 @@ class EventSubscriber:
 
     # ------------------------------------------------------------ sequencing
 
+    def _read_live(self, max_messages: int) -> list[list[bytes]]:
+        """Up to ``max_messages`` whole messages waiting on the SUB socket, each as its frames.
+
+        One native call when the extension can reach pyzmq's libzmq
+        (``events/zmq_native.py``); else pyzmq's ``recv`` unrolled with plain int
+        flags, ``EVENTS`` saying whether a message is waiting (``recv_multipart``
+        ORs Enum flags per frame and ends every drain by raising ``Again``, whose
+        construction alone cost more than reading a message: docs/service.md).
+        """
+        if self._drain is not None:
+            return self._drain(max_messages)
+        sock = self._sub
+        out: list[list[bytes]] = []
+        while len(out) < max_messages and int(sock.getsockopt(_EVENTS)) & _POLLIN:
+            frames = [sock.recv(_NOBLOCK)]
+            while sock.getsockopt(_RCVMORE):
+                frames.append(sock.recv(_NOBLOCK))
+            out.append(frames)
+        return out
+
     def _drain_held(self, out: list[SubscriberItem]) -> None:
         while self._replays.pending is None and self._held:
             self._on_live(self._held.popleft(), out)
@@ -473,11 +506,12 @@ class EventSubscriber:
         if not self._joined:
             self._on_first_live(message, out)
             return
-        verdict = self._tracker.classify(message.seq, message.payload)
+        if self._tracker.advance_if_next(message.seq, message.payload):  # the common case, committed
+            self._emit(message, out)
+            return
+        verdict = self._tracker.classify(message.seq, message.payload)  # not IN_ORDER: committed above
         kind = verdict.kind
-        if kind is VerdictKind.IN_ORDER:
-            self._deliver(message, out)
-        elif kind is VerdictKind.DUPLICATE:
+        if kind is VerdictKind.DUPLICATE:
             self._duplicates += 1
         elif kind is VerdictKind.GAP and verdict.covered and self._replay_endpoint is None:
             self._deliver(message, out)  # only filler seqs were skipped: no loss (sequencing.py)
@@ -544,7 +578,12 @@ class EventSubscriber:
         # a later copy of it (a live message that also came through replay) is a
         # duplicate, while different bytes under a seq already delivered can only
         # come from a restarted publisher reusing the number.
-        self._tracker.observe(message.seq, message.payload)
+        if not self._tracker.advance_if_next(message.seq, message.payload):
+            self._tracker.observe(message.seq, message.payload)
+        self._emit(message, out)
+
+    def _emit(self, message: Message, out: list[SubscriberItem]) -> None:
+        """Hand on a message the tracker has accepted."""
         self._delivered += 1
         if message.replayed:
             self._replayed += 1

@@ -33,6 +33,10 @@ class SubscriberGroup:
 
     def __init__(self, subscribers: Iterable[EventSubscriber] = ()) -> None:
         self._subs: dict[str, EventSubscriber] = {}
+        self._next = 0  # where the next call starts reading (after a pass cut short by max_items)
+        self._poller = zmq.Poller()
+        self._poller_key: tuple[zmq.Socket[bytes], ...] = ()
+        self._owners: dict[zmq.Socket[bytes], EventSubscriber] = {}
         for sub in subscribers:
             self.add(sub)
 
@@ -67,52 +71,78 @@ class SubscriberGroup:
         timeout_s: float,
         watch: Sequence[zmq.Socket[bytes]] = (),
         on_error: Callable[[EventSubscriber], None] | None = None,
+        max_items: int | None = None,
     ) -> tuple[list[SubscriberItem], list[zmq.Socket[bytes]]]:
         """:meth:`poll`, also watching the caller's own ``watch`` sockets (the
         server's connection monitors): returns the items and the watched sockets
         found readable. With ``on_error``, a subscriber whose
         :meth:`EventSubscriber.process_ready` raises is reported (called inside
         the ``except`` block) and the others go on; without it the error
-        propagates.
+        propagates. With ``max_items``, a subscriber reads at most the room left
+        and none is read once that many items are out (the others stay ready
+        for the next call, which starts with them).
         """
         out: list[SubscriberItem] = []
-        subs = list(self._subs.values())
+        start, subs = self._rotated()
         for sub in subs:
             if sub.needs_processing():
                 self._process(sub, out, on_error)
         if out:
             return out, []
-        poller = zmq.Poller()
-        owners: dict[zmq.Socket[bytes], EventSubscriber] = {}
+        poller, owners = self._poller_for(subs, watch)
         wait_s = timeout_s
         for sub in subs:
-            for sock in sub.poll_sockets():
-                poller.register(sock, zmq.POLLIN)
-                owners[sock] = sub
             hint = sub.timeout_hint_s()
-            if hint is not None:
-                wait_s = min(wait_s, hint)
-        for sock in watch:
-            poller.register(sock, zmq.POLLIN)
+            if hint is not None and hint < wait_s:
+                wait_s = hint
         ready_socks = [sock for sock, _ in poller.poll(max(0, int(wait_s * 1000)))]
         ready = {owners[sock] for sock in ready_socks if sock in owners}
-        for sub in subs:
+        for i, sub in enumerate(subs):
+            room = None if max_items is None else max_items - len(out)
+            if room is not None and room <= 0:
+                self._next = (start + i) % len(subs)  # the ones not read go first next time
+                break
             if sub in ready or sub.needs_processing():
-                self._process(sub, out, on_error)
+                self._process(sub, out, on_error, room)
         return out, [sock for sock in ready_socks if sock not in owners]
+
+    def _rotated(self) -> tuple[int, list[EventSubscriber]]:
+        """The subscribers, starting where the last call stopped reading (and where that is)."""
+        subs = list(self._subs.values())
+        k = self._next % len(subs) if subs else 0
+        self._next = 0
+        return k, (subs[k:] + subs[:k] if k else subs)
+
+    def _poller_for(
+        self, subs: list[EventSubscriber], watch: Sequence[zmq.Socket[bytes]]
+    ) -> tuple[zmq.Poller, dict[zmq.Socket[bytes], EventSubscriber]]:
+        """One poller over the subscribers' sockets and ``watch``, rebuilt only when that set
+        changes (a replay's DEALER comes and goes; streams are added and removed): building
+        one registers every socket again, a cost paid per pass before."""
+        owners: dict[zmq.Socket[bytes], EventSubscriber] = {}
+        for sub in subs:
+            for sock in sub.poll_sockets():
+                owners[sock] = sub
+        key = (*owners, *watch)
+        if key != self._poller_key:
+            poller = zmq.Poller()
+            for sock in key:
+                poller.register(sock, zmq.POLLIN)
+            self._poller, self._poller_key, self._owners = poller, key, owners
+        return self._poller, self._owners
 
     @staticmethod
     def _process(
         sub: EventSubscriber,
         out: list[SubscriberItem],
         on_error: Callable[[EventSubscriber], None] | None,
+        max_messages: int | None = None,
     ) -> None:
-        if on_error is None:
-            out.extend(sub.process_ready())
-            return
         try:
-            out.extend(sub.process_ready())
+            out.extend(sub.process_ready() if max_messages is None else sub.process_ready(max_messages))
         except Exception:
+            if on_error is None:
+                raise
             on_error(sub)
 
     def statistics(self) -> dict[str, SubscriberStatistics]:

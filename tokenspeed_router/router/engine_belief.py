@@ -33,6 +33,7 @@ Pure bookkeeping: no clock reads (callers pass ``now``), no I/O.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -234,6 +235,12 @@ class EngineBelief:
     predicted: dict[int, int] = field(default_factory=dict)
     predictions: dict[str, _Prediction] = field(default_factory=dict)
     next_deadline: float = math.inf
+    #: (deadline, request id) of every prediction deadline set (a heap; entries whose
+    #: prediction ended or moved are skipped when they come up): expiring costs what expires,
+    #: not a walk over every request in flight on each decision
+    deadlines: list[tuple[float, str]] = field(default_factory=list)
+    #: predictions whose first token came (they end at the next BlockStored batch)
+    done_predictions: set[str] = field(default_factory=set)
 
     #: samples an engine needs before its own fit replaces the fleet's
     OWN_FIT_SAMPLES = 8
@@ -373,6 +380,14 @@ class EngineBelief:
         for h in hashes:
             counts[h] = counts.get(h, 0) + 1
         self.predictions[request_id] = _Prediction(hashes, deadline)
+        self._deadline(request_id, deadline)
+
+    def _deadline(self, request_id: str, deadline: float) -> None:
+        heap = self.deadlines
+        if len(heap) > 2 * len(self.predictions) + 1024:  # mostly entries of ended predictions: rebuild
+            heap[:] = [(p.deadline, rid) for rid, p in self.predictions.items()]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (deadline, request_id))
         if deadline < self.next_deadline:
             self.next_deadline = deadline
 
@@ -380,6 +395,8 @@ class EngineBelief:
         pred = self.predictions.pop(request_id, None)
         if pred is None:
             return
+        if pred.done:
+            self.done_predictions.discard(request_id)
         counts = self.predicted
         for h in pred.hashes:
             c = counts[h] - 1
@@ -393,26 +410,27 @@ class EngineBelief:
         pred = self.predictions.get(request_id)
         if pred is not None:
             pred.done = True
+            self.done_predictions.add(request_id)
             if deadline < pred.deadline:
                 pred.deadline = deadline
-                if deadline < self.next_deadline:
-                    self.next_deadline = deadline
+                self._deadline(request_id, deadline)
 
     def stored(self) -> None:
         """A BlockStored batch arrived: predictions whose prefill is over are now in the index."""
-        for rid in [r for r, p in self.predictions.items() if p.done]:
-            self.end_prediction(rid)
+        if self.done_predictions:
+            for rid in list(self.done_predictions):
+                self.end_prediction(rid)
 
     def expire_predictions(self, now: float) -> None:
         if now < self.next_deadline:
             return
-        nxt = math.inf
-        for rid, p in list(self.predictions.items()):
-            if p.deadline <= now:
+        heap, predictions = self.deadlines, self.predictions
+        while heap and heap[0][0] <= now:
+            _, rid = heapq.heappop(heap)
+            p = predictions.get(rid)
+            if p is not None and p.deadline <= now:  # else ended, or a later deadline of a new one
                 self.end_prediction(rid)
-            elif p.deadline < nxt:
-                nxt = p.deadline
-        self.next_deadline = nxt
+        self.next_deadline = heap[0][0] if heap else math.inf
 
     def predicted_blocks(self, hashes: Sequence[int]) -> int:
         """Leading prompt blocks covered by predictions in flight (their union is prefix-closed)."""

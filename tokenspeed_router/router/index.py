@@ -244,6 +244,10 @@ class KvIndex:
         self._block_size: dict[str, int | None] = {}
         self._counters: dict[str, list[int]] = {}
         self._roots: dict[tuple[Any, Any], int] = {}
+        #: the compiled core's raw apply (not in IndexCore: the reference core has none)
+        self._raw = getattr(self._core, "apply_raw", None)
+        self._raw_many = getattr(self._core, "apply_raw_many", None)
+        self._plain_root = self._root(None, None)  # no LoRA, no salt: what the raw path serves
 
     # ------------------------------------------------------------------ workers
 
@@ -394,16 +398,19 @@ class KvIndex:
         :meth:`apply`; ``salvage=True`` applies event by event instead,
         skipping stores whose parent is unknown (``IndexIngestor``'s salvage).
         """
-        raw = getattr(self._core, "apply_raw", None)  # the compiled core's only (not in IndexCore)
-        if raw is None or worker not in self._counters:
+        raw = self._raw
+        if raw is None:
             return None
-        bs = self._block_size[worker]
-        if bs is None:
+        bs = self._block_size.get(worker)
+        if bs is None:  # an unknown worker, or one without a block grid yet
             return None
-        got = raw(worker, payload, bs, self._root(None, None), salvage)
-        if got is None:
-            return None
-        ts, events, stored, dup, removed, unknown, cleared, mismatch, flags, refused, rejected, last_clear, last_reject = got
+        got = raw(worker, payload, bs, self._plain_root, salvage)
+        return None if got is None else self._raw_applied(worker, got)
+
+    def _raw_applied(self, worker: str, got: tuple[Any, ...]) -> RawApplied:
+        """The counters and the answer of one batch the compiled core's raw path took."""
+        (ts, events, stored, dup, removed, unknown, cleared, mismatch, flags, refused, rejected, last_clear,
+         last_reject, blocks) = got
         mine = self._counters[worker]
         if refused:
             mine[_UNKNOWN_PARENTS] += 1
@@ -413,7 +420,7 @@ class KvIndex:
             mine[_TIER_MISMATCHES] += mismatch
             mine[_DUPLICATES] += dup
             mine[_UNKNOWN_PARENTS] += rejected
-            stats = ApplyStats(events, stored, dup, removed, unknown, cleared, self.worker_info(worker).blocks)
+            stats = ApplyStats(events, stored, dup, removed, unknown, cleared, blocks)
         return RawApplied(
             ts, stats, bool(flags & 1), bool(flags & 2), bool(refused), rejected, last_clear, last_reject
         )
@@ -427,18 +434,37 @@ class KvIndex:
         of it applied): the caller decides what that batch needs (the typed
         path, a resync and a salvage) before the jobs after it, which are not
         tried. So the answer has one entry per job tried, never more than
-        ``len(jobs)``, and every job before the last entry was applied.
+        ``len(jobs)``, and every job before the last entry was applied. On the
+        compiled core the run is one native call that gives the GIL away once
+        (``Core.apply_raw_many``), not once per batch.
         """
-        out: list[RawApplied | Exception | None] = []
+        many = self._raw_many
+        if many is None:
+            return [None] if jobs else []
+        names: list[str] = []
+        payloads: list[bytes] = []
+        sizes: list[int] = []
+        block_size = self._block_size
         for worker, payload in jobs:
-            try:
-                got = self.apply_raw(worker, payload)
-            except MemoryError as err:
-                out.append(err)
+            bs = block_size.get(worker)
+            if bs is None:  # an unknown worker or no block grid yet: the typed path decides
                 break
-            out.append(got)
-            if got is None or got.unknown_parent:
-                break
+            names.append(worker)
+            payloads.append(payload)
+            sizes.append(bs)
+        out: list[RawApplied | Exception | None] = []
+        if names:
+            for worker, got in zip(names, many(names, payloads, sizes, self._plain_root), strict=False):
+                if got is None or isinstance(got, Exception):
+                    out.append(got)
+                    break
+                applied = self._raw_applied(worker, got)
+                out.append(applied)
+                if applied.unknown_parent:
+                    break
+        if len(out) == len(names) < len(jobs) and (not out or (isinstance(out[-1], RawApplied)
+                                                     and not out[-1].unknown_parent)):
+            out.append(None)  # the job that stopped the run: not taken, nothing of it changed
         return out
 
     def _validate(self, worker: str, ev: Event) -> None:

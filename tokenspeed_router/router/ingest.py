@@ -356,7 +356,7 @@ class IndexIngestor:
         batch); whatever a batch needs beyond that (the typed path, a resync
         and a salvage) is done before the next one is tried. An item that
         raises does not stop the others: the pairs ``(item, error)`` are
-        returned for the caller to count (``ApplyQueue`` counts one per item).
+        returned for the caller to count (``PassApplier`` counts one per item).
         """
         failed: list[tuple[SubscriberItem, Exception]] = []
         n = len(items)

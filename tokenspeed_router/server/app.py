@@ -12,7 +12,8 @@ rules), ``server/worker_report.py``
 Threads and who touches what::
 
     tokenspeed-ingest   owns the subscriber sockets; every item it receives goes
-                        through ONE seam, IngestSink.submit(item)
+                        through ONE seam, IngestSink.submit(item) (a pass at once
+                        through submit_many when the sink has it), on this thread
     HTTP event loop     queries (match/route/release/workers) and PUT/DELETE /workers
     tokenspeed-zmq-api  the same queries over a ROUTER socket
 
@@ -117,7 +118,7 @@ SinkFactory = Callable[["RouterService"], IngestSink]
 
 
 class LocalIngestSink:
-    """Default sink: apply in this process (``submit_many``: a drain of the apply queue at once)."""
+    """Default sink: apply in this process (``submit_many``: an ingest pass at once)."""
 
     def __init__(self, service: RouterService) -> None:
         self._apply = service.apply_item

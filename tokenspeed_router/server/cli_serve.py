@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ingest-queue", type=int, metavar="N",
-        help="event batches queued between receiving and applying; a full queue holds the receiver back (default 4096)",
+        help="event batches one ingest pass reads at most before applying them (default 4096)",
     )
     add_gateway_arguments(parser)
     add_epp_arguments(parser)

@@ -107,9 +107,9 @@ class ServerConfig:
     limits: ApiLimits = field(default_factory=ApiLimits)
     stale_after_s: float = 10.0
     replay_timeout_s: float = 2.0
-    #: a stream more than this far behind its publisher sheds its backlog (server/apply_queue.py)
+    #: a stream more than this far behind its publisher sheds its backlog (server/ingest_lag.py)
     ingest_max_lag_s: float = 1.0
-    #: batches queued between the receiving and the applying thread (back-pressure beyond)
+    #: items one ingest pass reads at most before applying them (server/ingest_loop.py)
     ingest_queue: int = 4096
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     #: why this worker: --decision-log, --explain-sample (server/explain.py)

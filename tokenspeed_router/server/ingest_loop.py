@@ -1,19 +1,28 @@
-"""The ingestion thread: owns every subscriber socket and feeds the ingest sink.
+"""The ingestion thread: owns every subscriber socket and applies what it reads.
 
-It *receives*; a second thread applies (``server/apply_queue.py``: a bounded
-queue between the two, back-pressure, the lag per worker, and shedding a
-stream that fell more than ``max_lag_s`` behind its publisher).
+One thread reads, sequences and applies: each pass waits on every stream's
+socket at once, reads every ready frame of every stream (a pass reads at
+most ``queue_capacity`` items), and hands the whole pass to the sink in one
+call (``submit_many``: the routing core takes its locks once and the index
+applies runs of batches in one native call). There is no queue and no
+second thread in between: handing each batch to an applying thread cost
+more than applying it (issue 33's profile, docs/service.md). While a pass is
+applied the backlog stays in the SUB sockets, where it shows as lag; a
+stream more than ``max_lag_s`` behind its publisher sheds its socket backlog
+(``server/ingest_lag.py``).
 
-Why a dedicated thread and not the HTTP event loop: receiving and decoding
+Why a dedicated thread and not the HTTP event loop: receiving and applying
 batches (and merging a replay answer, which may hold a whole ring) is CPU
 work that would stall every request on the query loop; here it only delays
-ingestion. Replays themselves are asynchronous (the subscribers never wait
-for a reply), so one worker's replay does not hold up the others.
+ingestion, and the index gives the GIL away while it applies. Replays
+themselves are asynchronous (the subscribers never wait for a reply), so one
+worker's replay does not hold up the others.
 
 The thread is the *only* user of the subscriber sockets (ZeroMQ sockets are
 not thread safe), so adding and removing workers at run time goes through a
-command queue that this thread drains between polls; callers wait on a
-:class:`concurrent.futures.Future`.
+command queue that this thread drains between passes; callers wait on a
+:class:`concurrent.futures.Future`. A command runs between two passes, so
+everything read before it was applied.
 
 Staleness without heartbeats (engines send none, and an idle cache publishes
 nothing): a ZeroMQ socket monitor on each SUB socket reports when the TCP
@@ -75,8 +84,8 @@ from tokenspeed_router.events.subscriber import (
     SubscriberStatistics,
 )
 from tokenspeed_router.events.subscriber_group import SubscriberGroup
-from tokenspeed_router.server.apply_queue import ApplyMany, ApplyQueue, IngestLag, LagStatus
 from tokenspeed_router.server.config import SubscriberSpec
+from tokenspeed_router.server.ingest_lag import ApplyMany, IngestLag, LagStatus, PassApplier
 
 __all__ = ["IngestLoop", "StreamState"]
 
@@ -97,6 +106,8 @@ HANDSHAKE_DEADLINE_S = 5.0
 #: a stream with a topic= silent this long after its handshake gets a probe (module docstring)
 TOPIC_PROBE_AFTER_S = 5.0
 _POLL_MS = 20
+#: a pass that applied something starts the next one no sooner than this after it began
+PASS_INTERVAL_S = 0.005
 _STALE_CHECK_S = 0.05
 #: How long the loop blocks on its command queue while it holds no stream.
 _IDLE_WAIT_S = 1.0
@@ -125,17 +136,16 @@ class StreamState:
 
 
 class IngestLoop:
-    """Polls all subscribers and hands every item to ``submit`` (in delivery order).
+    """Polls all subscribers and applies every item through ``submit`` (in delivery order).
 
-    ``submit`` runs on the applying thread (``tokenspeed-apply``), fed through
-    a queue of ``queue_capacity`` items; with ``submit_many`` that thread hands
-    everything queued over in one call instead (``ApplyQueue``). ``on_stale(name)`` is called (from
-    the receiving thread) when a stream's endpoint has been gone for
-    ``stale_after_s``. ``on_error`` counts items ``submit`` failed on. A live
-    batch received more than ``max_lag_s`` after its publisher's timestamp
-    (offset-corrected) makes that stream shed its socket backlog; a worker
-    whose batches reach the index more than ``max_lag_s / 4`` late is
-    reported lagging (:meth:`lag`).
+    Each pass reads at most ``queue_capacity`` items and applies them on this
+    thread: through ``submit_many`` in one call when given, else ``submit``
+    item by item. ``on_stale(name)`` is called when a stream's endpoint has
+    been gone for ``stale_after_s``. ``on_error`` counts items that failed to
+    apply. A live batch received more than ``max_lag_s`` after its
+    publisher's timestamp (offset-corrected) makes that stream shed its
+    socket backlog; a worker whose batches reach the index more than
+    ``max_lag_s / 4`` late is reported lagging (:meth:`lag`).
     """
 
     def __init__(
@@ -151,14 +161,19 @@ class IngestLoop:
         max_lag_s: float = 1.0,
         queue_capacity: int = 4096,
         submit_many: ApplyMany | None = None,
+        pass_interval_s: float = PASS_INTERVAL_S,
     ) -> None:
         if not max_lag_s > 0:
             raise ValueError(f"max_lag_s must be > 0, got {max_lag_s}")
         self._ctx = context
+        if queue_capacity < 1:
+            raise ValueError(f"queue_capacity must be >= 1, got {queue_capacity}")
         self._lag = IngestLag(lagging_after_s=max_lag_s / 4)
-        self._queue = ApplyQueue(
-            submit, capacity=queue_capacity, lag=self._lag, on_error=on_error, apply_many=submit_many
-        )
+        self._apply = PassApplier(submit, on_error=on_error, apply_many=submit_many)
+        self._capacity = queue_capacity
+        self._pass_interval_s = pass_interval_s
+        #: items read in the pass being applied (what /metrics calls the queue depth)
+        self._pending = 0
         self._max_lag_s = max_lag_s
         self._on_stale = on_stale
         self._on_error = on_error
@@ -180,14 +195,13 @@ class IngestLoop:
     # --- lifecycle (any thread) ---------------------------------------------------
 
     def start(self, initial: list[SubscriberSpec], timeout_s: float = 10.0) -> None:
-        """Start the threads and open the initial streams (errors raise here)."""
-        self._queue.start()
+        """Start the thread and open the initial streams (errors raise here)."""
         self._thread = threading.Thread(target=self._run, name="tokenspeed-ingest", daemon=True)
         self._thread.start()
         self.call(lambda: self._open_all(initial), timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop polling, close every subscriber, apply what was received; returns when both threads exited."""
+        """Stop polling, close every subscriber; returns when the thread exited (what it read is applied)."""
         self._stop.set()
         self._commands.put((lambda: None, Future()))  # wakes a loop idle on its queue
         if self._thread is not None:
@@ -195,14 +209,13 @@ class IngestLoop:
             if self._thread.is_alive():
                 logger.error("ingestion thread did not stop within %.1fs", timeout_s)
             self._thread = None
-        self._queue.stop(timeout_s)
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def call(self, fn: Callable[[], Any], timeout_s: float = 10.0) -> Any:
-        """Run ``fn`` on the ingestion thread (between polls) and return its result."""
+        """Run ``fn`` on the ingestion thread (between passes) and return its result."""
         if not self.running:
             raise RuntimeError("ingestion loop is not running")
         fut: Future[Any] = Future()
@@ -227,10 +240,8 @@ class IngestLoop:
         state = self._streams.pop(name, None)
         if state is None:
             return False
-        # What was received is applied before the stream goes: a removed worker must
-        # not be re-created by its own late items, a leader stepping down hands all on.
-        if not self._queue.flush():
-            logger.warning("worker=%s: items still queued when its stream closed", name)
+        # Everything read was applied in its pass (this runs between passes): a removed
+        # worker is not re-created by its own late items, a leader stepping down hands all on.
         self._lag.forget(name)
         self._group.remove(name)
         if state.monitor is not None:
@@ -263,19 +274,12 @@ class IngestLoop:
         return self._lag.status()
 
     def queue_stats(self) -> dict[str, float]:
-        """The apply queue: depth now, its capacity and high-water mark, back-pressure waits."""
-        q = self._queue
+        """Items read and not applied yet (the pass being applied), the most a pass reads, the largest pass."""
         return {
-            "depth": float(q.depth),
-            "capacity": float(q.capacity),
-            "max_depth": float(q.max_depth),
-            "full_waits": float(q.full_waits),
-            "full_wait_s": q.full_wait_s,
+            "depth": float(self._pending),
+            "capacity": float(self._capacity),
+            "max_depth": float(self._apply.max_pass),
         }
-
-    def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every item received so far is applied (any thread but the applying one)."""
-        return self._queue.flush(timeout_s)
 
     def _open_all(self, specs: list[SubscriberSpec]) -> None:
         self.open_streams(specs)
@@ -341,7 +345,14 @@ class IngestLoop:
         try:
             while not self._stop.is_set():
                 self._run_commands()
-                self._poll_once()
+                started = time.monotonic()
+                if self._poll_once():
+                    # Coalesce: a pass that applied something is followed by a short rest, so
+                    # the next one finds several batches waiting rather than one (each pass
+                    # costs a poll, a wake-up and cold caches: docs/service.md).
+                    rest = self._pass_interval_s - (time.monotonic() - started)
+                    if rest > 0:
+                        self._stop.wait(rest)
                 now = time.monotonic()
                 if now >= next_stale_check:
                     next_stale_check = now + _STALE_CHECK_S
@@ -358,44 +369,58 @@ class IngestLoop:
                 except Exception:  # closing is best effort at shutdown
                     logger.exception("worker=%s close failed", name)
 
-    def _poll_once(self) -> None:
+    def _poll_once(self) -> bool:
+        """One pass: wait for any stream, read every ready frame, apply them all, shed the late.
+        True when it applied anything."""
         if not self._streams:
             self._idle_wait()
-            return
+            return False
         items, ready_monitors = self._group.poll_with(
             _POLL_MS / 1000.0,
-            watch=[*self._by_monitor, *self._by_probe],
+            watch=self._watched,
             on_error=lambda sub: self._error(f"worker={sub.worker} receive failed"),
+            max_items=self._capacity,
         )
-        behind: set[str] = set()
         seen: set[str] = set()
-        arrived: set[str] = set()
-        for item in items:
-            name = item.worker
-            seen.add(name)
-            if not isinstance(item, BatchReceived):
-                continue  # a resync can be the subscriber's own verdict (a replay unanswered): no proof of a link
-            if name not in arrived:
-                arrived.add(name)
-                stream = self._streams.get(name)
-                if stream is not None:
-                    if not stream.connected:
-                        self._set_connected(stream, True)
-                    self._delivered(stream)
-            if self._lag.receive_excess(item) > self._max_lag_s:
-                behind.add(name)
-        self._queue.put(items)  # waits while the queue is full: back-pressure
-        for name in behind:
-            self._shed(name)
-        for name in self._streams:
-            if name not in seen:
-                self._lag.caught_up(name)  # its socket was empty
+        if items:
+            behind = self._lag.received(items, self._max_lag_s)
+            arrived: set[str] = set()
+            for item in items:
+                name = item.worker
+                seen.add(name)
+                # a resync can be the subscriber's own verdict (a replay unanswered): no proof of a link
+                if name not in arrived and type(item) is BatchReceived:
+                    arrived.add(name)
+                    stream = self._streams.get(name)
+                    if stream is not None:
+                        if not stream.connected:
+                            self._set_connected(stream, True)
+                        self._delivered(stream)
+            self._apply_pass(items)
+            for name in behind:
+                self._shed(name)
+        self._lag.caught_up([name for name in self._streams if name not in seen])  # their sockets were empty
         for sock in ready_monitors:
             monitored = self._by_monitor.get(sock)
             if monitored is not None:
                 self._monitor_events(monitored)
             elif (probed := self._by_probe.get(sock)) is not None:
                 self._probe_message(probed)
+        return bool(items)
+
+    def _apply_pass(self, items: list[SubscriberItem]) -> None:
+        """Apply one pass's items (counted as received by the lag), then time their arrival."""
+        self._pending = len(items)
+        try:
+            self._apply(items)
+        finally:
+            self._pending = 0
+            self._lag.applied(items, time.time())
+
+    @property
+    def _watched(self) -> list[Any]:
+        """The sockets a pass waits on beside the streams': connection monitors, topic probes."""
+        return [*self._by_monitor, *self._by_probe]
 
     def _shed(self, name: str) -> None:
         """``name`` is more than max_lag_s behind: drop its socket backlog (counted)."""
@@ -411,7 +436,9 @@ class IngestLoop:
                 "worker=%s more than %.2fs behind its publisher: shed %d queued batches; "
                 "it resyncs (cold until consistent)", name, self._max_lag_s, dropped,
             )
-        self._queue.put(out)
+        if out:
+            self._lag.received(out, float("inf"))
+            self._apply_pass(out)
 
     def _idle_wait(self) -> None:
         """Block on the command queue while no stream is open.
@@ -505,7 +532,6 @@ class IngestLoop:
                     "worker=%s stale: endpoint %s unreachable for %.1fs",
                     stream.spec.name, stream.spec.events, now - stream.down_since_s,
                 )
-                self._queue.flush(1.0)  # what it sent before going quiet lands first
                 try:
                     self._on_stale(stream.spec.name)
                 except Exception:

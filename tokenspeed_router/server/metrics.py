@@ -211,7 +211,7 @@ class WorkerStateCollector(Collector):
 
 
 class IngestQueueCollector(Collector):
-    """The apply queue between receiving and applying (``server/apply_queue.py``), at scrape time."""
+    """Items between reading and applying (``server/ingest_loop.py``: a pass), at scrape time."""
 
     def __init__(self, sample: Callable[[], dict[str, float]]) -> None:
         self._sample = sample
@@ -223,20 +223,16 @@ class IngestQueueCollector(Collector):
         q = self._sample()
         if not q:
             return
-        yield GaugeMetricFamily("tokenspeed_ingest_queue_depth", "items waiting to be applied", value=q["depth"])
         yield GaugeMetricFamily(
-            "tokenspeed_ingest_queue_capacity", "items the queue holds before the receiver waits", value=q["capacity"]
+            "tokenspeed_ingest_queue_depth", "items read and not applied yet (the pass being applied)",
+            value=q["depth"],
         )
         yield GaugeMetricFamily(
-            "tokenspeed_ingest_queue_max_depth", "the most items ever waiting at once", value=q["max_depth"]
+            "tokenspeed_ingest_queue_capacity", "items one ingest pass reads at most before applying them",
+            value=q["capacity"],
         )
-        yield CounterMetricFamily(
-            "tokenspeed_ingest_queue_full_waits", "times the receiver waited for room (back-pressure)",
-            value=q["full_waits"],
-        )
-        yield CounterMetricFamily(
-            "tokenspeed_ingest_queue_full_wait_seconds", "time the receiver spent waiting for room",
-            value=q["full_wait_s"],
+        yield GaugeMetricFamily(
+            "tokenspeed_ingest_queue_max_depth", "the most items one pass read", value=q["max_depth"]
         )
 
 

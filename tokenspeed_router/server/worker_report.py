@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenspeed_router.router.core import RoutingCore
 from tokenspeed_router.router.router import WorkerRole
-from tokenspeed_router.server.apply_queue import LagStatus
+from tokenspeed_router.server.ingest_lag import LagStatus
 from tokenspeed_router.server.metrics import WorkerSample
 from tokenspeed_router.server.workers import WorkerRegistry
 
@@ -40,7 +40,7 @@ def worker_entries(
     counters and endpoints, and ``index_core`` (``native`` or ``reference``:
     which KvIndex core runs). ``peers``: other router replicas' in-flight load
     per worker (shared load), reported as ``in_flight_peers``. ``ingest_lag``:
-    the apply queue's view (``lagging``: its events reach the index late;
+    the ingest lag's view (``lagging``: its events reach the index late;
     ``ingest_queued``, ``apply_delay_s``, ``shed_batches``). ``stream_problems``:
     why a stream delivers nothing (a failed handshake, a foreign topic), as
     ``stream_problem`` (None when there is none).
@@ -117,7 +117,7 @@ def worker_samples(
     now: float,
     lag: Mapping[str, LagStatus] | None = None,
 ) -> list[WorkerSample]:
-    """One Prometheus sample per worker the ingestor knows (``/metrics``); ``lag``: the apply queue's view."""
+    """One Prometheus sample per worker the ingestor knows (``/metrics``); ``lag``: the ingest lag's view."""
     index = core.index
     statuses = core.ingestor.statuses()
     load = core.router.load()

@@ -9,7 +9,8 @@ pipeline requests and drop late answers. REQ clients work too (the empty
 delimiter frame is mirrored back).
 
 A dedicated thread serves the socket: it drains every ready request before
-polling again, so a burst costs one poll, and it shares nothing with the
+polling again, so a burst costs one poll, sends the burst's replies
+together (one wake-up of libzmq's I/O thread, not one per reply), and it shares nothing with the
 HTTP loop but the service (whose lock makes the queries safe). Frames larger
 than ``max_body_bytes`` make libzmq drop that peer's connection
 (``ZMQ_MAXMSGSIZE``): a hostile client cannot make the router buffer them.
@@ -28,6 +29,7 @@ import zmq
 from tokenspeed_router.auth import check_bearer
 from tokenspeed_router.endpoints import is_loopback_host
 from tokenspeed_router.errors import ConfigError, RouterApiError, TokenspeedError
+from tokenspeed_router.events.zmq_native import MAX_FRAMES, drainer, sender
 from tokenspeed_router.server.api import (
     ZmqHealth,
     ZmqMatch,
@@ -56,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 50
 _MAX_BURST = 256
+_NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)
 
 
 class ZmqApiServer:
@@ -111,29 +114,25 @@ class ZmqApiServer:
         sock = self._sock
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        # recv_multipart/send_multipart, unrolled with plain int flags: pyzmq's
-        # versions OR enum flags (an Enum call) and type-check every frame, per request.
-        recv, send, getsockopt = sock.recv, sock.send, sock.getsockopt
-        noblock, more, rcvmore = int(zmq.NOBLOCK), int(zmq.NOBLOCK) | int(zmq.SNDMORE), int(zmq.RCVMORE)
+        # A burst of requests is read, and its replies sent, in one native call each
+        # (events/zmq_native.py: no Enum flags, no type checks per frame, no raised Again);
+        # without the extension through pyzmq, its recv/send unrolled with plain int flags.
+        drain = drainer(sock) or self._read_burst
+        send_all = sender(sock) or self._send_burst
         try:
             while not self._stop.is_set():
                 if not poller.poll(_POLL_MS):
                     continue
-                for _ in range(_MAX_BURST):
-                    try:
-                        frames = [recv(noblock)]
-                    except zmq.Again:
-                        break
-                    while getsockopt(rcvmore):  # the rest of a multipart message is already here
-                        frames.append(recv(noblock))
+                replies: list[list[bytes]] = []
+                for frames in drain(_MAX_BURST):
                     reply = self._handle_frames(frames)
                     if reply is not None:
-                        try:
-                            for frame in reply[:-1]:
-                                send(frame, more)
-                            send(reply[-1], noblock)
-                        except zmq.Again:
-                            logger.debug("ZMQ API reply dropped: peer not reading")
+                        replies.append(reply)
+                # The burst's replies go out together: the first wakes libzmq's I/O thread (a
+                # write to its mailbox), the others join the pipe it is about to drain, instead
+                # of one wake-up (and one syscall here) per reply.
+                if replies and send_all(replies) < len(replies):
+                    logger.debug("ZMQ API replies dropped: peer not reading")
         except zmq.ZMQError as err:
             if err.errno != zmq.ETERM:
                 logger.exception("ZMQ API loop failed")
@@ -142,13 +141,40 @@ class ZmqApiServer:
         finally:
             sock.close(linger=0)
 
+    def _read_burst(self, max_messages: int) -> list[list[bytes]]:
+        """Up to ``max_messages`` waiting requests through pyzmq (no native drain)."""
+        sock = self._sock
+        out: list[list[bytes]] = []
+        while len(out) < max_messages:
+            try:
+                frames = [sock.recv(_NOBLOCK)]
+            except zmq.Again:
+                break
+            while sock.getsockopt(_RCVMORE):  # the rest of a multipart message is already here
+                frames.append(sock.recv(_NOBLOCK))
+            out.append(frames)
+        return out
+
+    def _send_burst(self, replies: list[list[bytes]]) -> int:
+        """Send each reply without waiting through pyzmq (no native sender); how many went."""
+        send, more = self._sock.send, _NOBLOCK | int(zmq.SNDMORE)
+        for sent, reply in enumerate(replies):
+            try:
+                for frame in reply[:-1]:
+                    send(frame, more)
+                send(reply[-1], _NOBLOCK)
+            except zmq.Again:
+                return sent
+        return len(replies)
+
     def _handle_frames(self, frames: list[bytes]) -> list[bytes] | None:
         self.requests += 1
         if len(frames) < 2:
             return None  # no identity: nowhere to answer
         envelope = frames[:-1]
         if len(frames) > 3 or (len(frames) == 3 and frames[1] != b""):
-            return [frames[0], self._error_reply(None, 400, f"expected 1 payload frame, got {len(frames) - 1}")]
+            got = f"{len(frames) - 1}{' or more' if len(frames) >= MAX_FRAMES else ''}"
+            return [frames[0], self._error_reply(None, 400, f"expected 1 payload frame, got {got}")]
         return [*envelope, self.handle(frames[-1])]
 
     def handle(self, payload: bytes) -> bytes:
