@@ -14,6 +14,7 @@ the prefixes it holds.
 from __future__ import annotations
 
 import random
+import time
 
 import zmq
 from support import wait_until
@@ -74,11 +75,19 @@ def test_shed_backlog_then_steady_load_returns_the_worker_live_and_exact() -> No
         return decision.worker
 
     try:
-        for name, e in engines.items():  # join: caught up, and a live batch arrived (its SUB is connected)
-            wait_until(lambda e=e, name=name: (e.serve([rng.randrange(10**7) for _ in range(BS)]), pump(name),
-                                                subs[name].last_seq == e.last_seq
-                                                and subs[name].statistics().received > 0)[2], 15,
-                       interval_s=0.02, what=f"{name} joined")
+        def joined(name: str) -> bool:
+            """Publish one batch; true once it arrived live (caught up, and the SUB is connected)."""
+            e = engines[name]
+            e.serve([rng.randrange(10**7) for _ in range(BS)])
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                pump(name)
+                if subs[name].last_seq == e.last_seq and subs[name].statistics().received > 0:
+                    return True
+            return False
+
+        for name in engines:
+            wait_until(lambda name=name: joined(name), 15, interval_s=0.0, what=f"{name} joined")
         for _ in range(60):
             request(prompt())
         # Overload: the router stops reading w0 while it serves every head (announcing
