@@ -34,8 +34,12 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/mypy fuzz/run.py fuzz/fuzz_targets.py
 
+# Two workers, a test file each at a time (--dist loadfile: a file's module fixtures are built once);
+# then the few tests marked `serial` (wall-clock figures, many engines at once) alone.
+PYTEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m serial
 
 # Fuzzing the native decoders (docs/development.md): build/fuzz/, nothing downloaded.
 # fuzz-smoke: every target a few seconds (what CI runs through tests/unit/test_fuzz_smoke.py);

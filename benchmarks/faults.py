@@ -59,7 +59,13 @@ from harness import RedisServer, Serve, data_dir, rss_bytes, wait_for
 
 from tokenspeed_router.cache import PrefixCache
 from tokenspeed_router.endpoints import free_tcp_port
-from tokenspeed_router.events import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
+from tokenspeed_router.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    encode_batch,
+)
 from tokenspeed_router.events.kvcap import read_kvcap
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 from tokenspeed_router.hashing import block_hashes
@@ -546,6 +552,127 @@ def fault_slow_consumer(ctx: Ctx) -> Row:
     return row
 
 
+def _metric(serve: Serve, name: str, worker: str) -> float:
+    """One worker's sample of a counter in ``/metrics`` (0 when absent)."""
+    for line in serve.http.get("/metrics").text.splitlines():
+        if line.startswith(name + "{") and f'worker="{worker}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _steady(c: Cluster, serve: Serve, rng: random.Random, n: int) -> tuple[int, int]:
+    """``n`` routed requests (a workload system prefix and a fresh suffix, as chat turns are):
+    ``/route``, the chosen engine serves it, ``/release``. Returns (cached tokens, prompt tokens)."""
+    systems = sorted({tuple(p[: 4 * BLOCK]) for p in c.ctx.prompts})
+    engines = {e.name: e for e in c.engines}
+    hit = total = 0
+    for _ in range(n):
+        prompt = list(rng.choice(systems)) + [rng.randrange(50_000) for _ in range(rng.randint(1, 3) * BLOCK + 7)]
+        answer = serve.post("/route", {"token_ids": prompt})
+        engine = engines[answer["worker"]]
+        hit += engine.cache.cached_prefix_length(prompt)
+        total += len(prompt)
+        engine.admit(prompt)
+        serve.post("/release", {"request_id": answer["request_id"]})
+        if rng.random() < 0.2:  # traffic from elsewhere (not routed here) reaches the engines too
+            for e in c.engines:
+                e.fresh(1)
+    return hit, total
+
+
+def _burst(engine: Engine, blocks_per_s: float, seconds: float) -> int:
+    """Churn batches (32 blocks stored, the previous 32 removed) at ``blocks_per_s`` on the engine's
+    own publisher: they net to nothing, so the engine's cache stays its truth. Returns batches sent."""
+    ids = iter(range(10**15, 10**16))
+    prev: list[int] = []
+    per_batch = 64
+    interval = per_batch / blocks_per_s
+    start = time.perf_counter()
+    sent = 0
+    while time.perf_counter() - start < seconds:
+        chain = [next(ids) for _ in range(32)]
+        events: list[Any] = [BlockStored(block_hashes=chain, parent_block_hash=None,
+                                         token_ids=[7] * (32 * BLOCK), block_size=BLOCK)]
+        if prev:
+            events.append(BlockRemoved(block_hashes=prev))
+        engine.pub.publish(KVEventBatch(time.time(), events))
+        prev = chain
+        sent += 1
+        delay = start + sent * interval - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+    if prev:
+        engine.pub.publish(KVEventBatch(time.time(), [BlockRemoved(block_hashes=prev)]))
+        sent += 1
+    return sent
+
+
+def fault_shed_recovery(ctx: Ctx) -> Row:
+    """Overload: one engine's stream sheds at 200k blocks/s, then steady routed load (issue 33)."""
+    row = Row("overload: shed at 200k blocks/s, then steady load")
+    warm, steady = ctx.steps(300, 600), ctx.steps(600, 1200)
+
+    def run(burst: bool) -> dict[str, Any]:
+        rng = random.Random(ctx.seed)
+        with cluster(ctx) as c:
+            serve = c.serve()
+            c.tail()
+            c.wait_recovered(serve, traffic=True)
+            _steady(c, serve, rng, warm)
+            c.wait_recovered(serve)
+            out: dict[str, Any] = {}
+            if burst:
+                e0 = c.engines[0]
+                # The router is paused for 1.5 s of the 3 s burst: behind by more than its
+                # ingest_max_lag_s (1 s) whatever its speed, it must shed that stream.
+                stop = threading.Timer(0.0, lambda: os.kill(serve.pid, signal.SIGSTOP))
+                cont = threading.Timer(1.5, lambda: os.kill(serve.pid, signal.SIGCONT))
+                stop.start()
+                cont.start()
+                try:
+                    out["burst_batches"] = _burst(e0, 200_000, 3.0)
+                finally:
+                    cont.join()
+                    os.kill(serve.pid, signal.SIGCONT)
+                c.tail()
+                wait_for(lambda: all(serve.get("/workers")[e.name]["last_seq"] == e.last_seq for e in c.engines),
+                         120, "the router to apply the burst's last batch", interval_s=0.1)
+                ws = serve.get("/workers")
+                out["after_burst"] = ws[e0.name]["state"]
+                out["shed_batches"] = int(_metric(serve, "tokenspeed_ingest_shed_batches_total", e0.name))
+            hit1, tot1 = _steady(c, serve, rng, steady // 2)
+            hit2, tot2 = _steady(c, serve, rng, steady - steady // 2)
+            c.finish(row if burst else Row("control"), serve, timeout_s=120, traffic=True)
+            ws = serve.get("/workers")
+            out.update(
+                hit_first_half=hit1 / tot1, hit_second_half=hit2 / tot2,
+                states={e.name: ws[e.name]["state"] for e in c.engines},
+                resyncs=sum(int(ws[e.name]["resyncs"]) for e in c.engines),
+                named_parents=sum(int(ws[e.name].get("named_parents") or 0) for e in c.engines),
+                adopted_blocks=sum(int(ws[e.name].get("adopted_blocks") or 0) for e in c.engines),
+                truth=c.truth(serve)[0], crashes=c.crashes(), lost=c.lost(serve),
+            )
+            return out
+
+    control = run(False)
+    got = run(True)
+    reached = got["hit_second_half"] >= control["hit_second_half"] - 0.01
+    all_live = all(s == "live" for s in got["states"].values())
+    row.injected = (f"{got['burst_batches']:,} churn batches on e0 at 200k blocks/s for 3 s, router paused 1.5 s; "
+                    f"then {steady} routed requests (system prefix + fresh suffix)")
+    row.detected = (f"shed_batches {got['shed_batches']:,}, resyncs {got['resyncs']}, e0 {got['after_burst']} after "
+                    f"the burst; named parents {got['named_parents']}, adopted blocks {got['adopted_blocks']}; "
+                    f"hit ratio (last {steady - steady // 2}) {got['hit_second_half']:.3f} vs "
+                    f"{control['hit_second_half']:.3f} without the burst")
+    row.recovered = row.recovered and all_live and reached and got["shed_batches"] > 0
+    if not reached:
+        row.notes += " hit ratio below the run without the burst"
+    if got["shed_batches"] == 0:
+        row.notes += " nothing was shed"
+    row.extra = {"with_burst": got, "without_burst": control}
+    return row
+
+
 def fault_redis_restart(ctx: Ctx) -> Row:
     row = Row("Redis restart (no persistence)")
     with cluster(ctx) as c:
@@ -1009,6 +1136,7 @@ FAULTS: dict[str, Callable[[Ctx], Row]] = {
     "redis_restart": fault_redis_restart,
     "leader_failover": fault_leader_failover,
     "slow_consumer": fault_slow_consumer,
+    "shed_recovery": fault_shed_recovery,
     "fuzz": fault_fuzz,
     "interleaved_no_replay": lambda ctx: fault_interleaved(ctx, replay=False, typed=False),
     "interleaved_replay": lambda ctx: fault_interleaved(ctx, replay=True, typed=False),

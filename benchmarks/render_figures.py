@@ -85,6 +85,24 @@ def _faults_bad_frames_against(data: Any) -> str:
     return f"{lost} accepted batches lost, {moved} restarts or resyncs ({len(rows)} rows)"
 
 
+def _shed_row(data: Any) -> dict[str, Any]:
+    return next(r for r in data["rows"] if r["fault"].startswith("overload: shed"))
+
+
+def _shed_hit(data: Any) -> str:
+    r = _shed_row(data)["extra"]
+    return f"{r['with_burst']['hit_second_half']:.3f} vs {r['without_burst']['hit_second_half']:.3f}"
+
+
+def _shed_against(data: Any) -> str:
+    row = _shed_row(data)
+    r = row["extra"]["with_burst"]
+    live = all(s == "live" for s in r["states"].values())
+    return (f"the same load without the burst; {r['shed_batches']:,} batches shed, worker back to "
+            f"{'live' if live else 'NOT live'}, index = caches: {'yes' if row['truth'] else 'NO'}, "
+            f"{r['named_parents']} lost parents named from routes")
+
+
 def _fuzz_executions(data: Any) -> str:
     return f"{data['execs']:,}"
 
@@ -206,12 +224,14 @@ FIGURES: list[Figure] = [
            lambda d: _live_cells(d, "hit"), _live_against, "same"),
     Figure("fault matrix: rows recovered with the index equal to the engines' own caches, 0 crashes, "
            "0 accepted batches lost", "faults.json", _faults_rows,
-           lambda d: "frame loss, duplicates, reordering, restarts, SIGKILLs, Redis, slow consumer, fuzzed and "
-                     "interleaved bad frames, oversized frames, bad HTTP bodies",
+           lambda d: "frame loss, duplicates, reordering, restarts, SIGKILLs, Redis, slow consumer, shedding, "
+                     "fuzzed and interleaved bad frames, oversized frames, bad HTTP bodies",
            "`benchmarks/faults.py --json docs/results/faults.json`"),
     Figure("fault matrix: bad frames interleaved with the engines' own batches under the seqs that can do harm "
            "(both ingest paths, with and without a replay endpoint)", "faults.json", _faults_bad_frames,
            _faults_bad_frames_against, "same"),
+    Figure("fault matrix: one engine's stream shed at 200k blocks/s, then steady routed load: routing hit "
+           "ratio (second half of the load)", "faults.json", _shed_hit, _shed_against, "same"),
     Figure("`serve`: router CPU per ingested batch (32 stored + 32 removed blocks), 100k blocks/s, 8 "
            "publishers, no queries, median (min-max) of 3", "ingest-serve.json",
            _ingest_cpu, _ingest_cpu_against, _AB),

@@ -28,6 +28,8 @@ from tokenspeed_router.doctor.checks import CAUSES
 from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.events.curve import generate_key_files
 
+pytestmark = pytest.mark.serial  # eight engine-sims start at once for the module
+
 #: engine -> its misconfiguration flags. Faults that show in different checks share an
 #: engine, so the fleet starts six processes, not ten (each check is still named alone).
 ENGINES: dict[str, list[str]] = {

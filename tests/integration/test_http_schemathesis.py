@@ -30,6 +30,8 @@ from support.server import ServeProcess, batch, stored, tokens
 
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 
+pytestmark = pytest.mark.serial  # a bounded but CPU-heavy run against one live serve
+
 pytest.importorskip("schemathesis")  # dev extra; Python >= 3.11
 
 TOKEN = "fuzz-token"

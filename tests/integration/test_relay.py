@@ -348,10 +348,9 @@ def test_snapshot_keeps_blocks_held_below_a_removed_block(ctx: Ctx) -> None:
         _raw_handshake(engine, relay)
         direct = RouterView(ctx, engine.publisher.endpoint, engine.publisher.replay_endpoint, worker="w")
 
-        def direct_sees() -> bool:
+        def direct_sees() -> bool:  # caught up *and* a live batch reached it: its SUB is connected
             engine.send()
-            direct.pump(0.02)
-            return direct.sub.last_seq == engine.last_seq
+            return direct.got_live(engine.last_seq)
 
         wait_until(direct_sees, 15, interval_s=0.0, what="the direct router to follow")
         chain = tokens(7, 6)

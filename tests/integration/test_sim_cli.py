@@ -94,12 +94,20 @@ def test_ctrl_c_during_simulate_keeps_the_finished_policies(tmp_path: Path) -> N
         [sys.executable, "-m", "tokenspeed_router.cli", "simulate", "--trace", str(TRACE), "--workers", "2",
          "--max-requests", "120", "--policies", ",".join(policies), "--out", str(out), "--no-plots"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # A child inherits an ignored SIGINT across exec, and Python then installs no
+        # KeyboardInterrupt handler: when an earlier test in the same pytest-xdist worker
+        # left SIGINT ignored, the interrupt was lost and the run finished with 0.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     ) as proc:
 
         def pump() -> None:
+            # Whole chunks as they come (os.read): a reader of one character at a time fell seconds
+            # behind the child on a loaded machine, saw the second policy start after the last one
+            # had finished, and interrupted a process that had already exited 0.
             assert proc.stderr is not None
-            while chunk := proc.stderr.read(1):
-                stderr.append(chunk)
+            fd = proc.stderr.fileno()
+            while chunk := os.read(fd, 65536):
+                stderr.append(chunk.decode(errors="replace"))
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tokenspeed_router.loadgen.parity import (
     ParitySetup,
     Tolerances,
@@ -26,6 +28,8 @@ from tokenspeed_router.loadgen.parity import (
     simulate_spread,
 )
 from tokenspeed_router.sim.shapes import WorkloadConfig, generate_workload
+
+pytestmark = pytest.mark.serial  # its live side's figures are wall-clock: another test beside it moves them
 
 
 def test_simulate_predicts_the_gateway(tmp_path: Path) -> None:

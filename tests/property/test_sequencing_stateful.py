@@ -57,25 +57,48 @@ _FILLERS = {"unknown_tag_map", "unknown_tag_array"}
 
 @dataclass
 class RouterModel:
-    """What the index must hold for the worker: the ingestor's rules over valid batches only."""
+    """What the index must hold for the worker: the ingestor's rules over valid batches only.
+
+    After a loss (docs/faults.md, "What is trusted when"): stores under a block
+    the index does not hold are held back (``pool``: root -> its events, in
+    order) and applied when the root is stored again; ``resyncing`` ends at a
+    clear, or after ``RECOVERY_BATCHES`` clean storing batches with nothing held
+    back (no capacity is known here, so no turnover is asked). A refused batch
+    on a worker exact since its last empty point is a resync; on one that lost
+    events before, it is taken event by event with its entries kept.
+    """
 
     held: set[tuple[int, int]] = field(default_factory=set)  # (chain, block index)
     resyncing: bool = False
     clean: int = 0
     restarts: int = 0
     resyncs: int = 0
+    exact: bool = True
+    recovering: bool = False
+    pool: dict[tuple[int, int], list[tuple]] = field(default_factory=dict)  # root -> held-back ops
+    pool_of: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # block -> its root
 
     def restart(self) -> None:
         self.held.clear()
         self.restarts += 1
         self.resyncing = False
         self.clean = 0
+        self.exact = True
+        self.recovering = False
+        self._drop_pool()
 
     def resync(self) -> None:
         self.held.clear()
         self.resyncs += 1
         self.resyncing = True
         self.clean = 0
+        self.exact = False
+        self.recovering = True
+        self._drop_pool()
+
+    def _drop_pool(self) -> None:
+        self.pool.clear()
+        self.pool_of.clear()
 
     @staticmethod
     def _step(held: set[tuple[int, int]], op: tuple) -> bool:
@@ -92,30 +115,102 @@ class RouterModel:
         return True
 
     def apply(self, ops: list[tuple]) -> None:
-        trial = set(self.held)
-        if all(self._step(trial, op) for op in ops):
-            self.held = trial
-            if self.resyncing:
-                if any(op[0] == "clear" for op in ops):
-                    self.resyncing = False
-                    self.clean = 0
-                elif any(op[0] == "store" for op in ops):
-                    self.clean += 1
-                    if self.clean >= RECOVERY_BATCHES:
+        if not self.recovering:
+            trial = set(self.held)
+            if all(self._step(trial, op) for op in ops):
+                self.held = trial
+                clears = any(op[0] == "clear" for op in ops)
+                if clears:
+                    self.exact = True
+                if self.resyncing:
+                    if clears:
                         self.resyncing = False
                         self.clean = 0
-            return
-        if not self.resyncing:  # an unknown parent: drop the worker, then salvage event by event
-            self.resync()
-        last_clear = last_reject = -1
-        for i, op in enumerate(ops):
-            if not self._step(self.held, op):
-                last_reject = i
-            elif op[0] == "clear":
-                last_clear = i
-        self.clean = 0
-        if last_clear > last_reject:
-            self.resyncing = False
+                    elif any(op[0] == "store" for op in ops):
+                        self.clean += 1
+                        if self.clean >= RECOVERY_BATCHES:
+                            self.resyncing = False
+                            self.clean = 0
+                return
+            if self.exact:  # an unknown parent on an exact worker: a lost event; drop the worker
+                self.resync()
+            else:  # what the engine kept from before a loss: entries kept
+                self.recovering = True
+                self.resyncing = True
+                self.clean = 0
+        self._apply_recovering(ops)
+
+    def _apply_recovering(self, ops: list[tuple]) -> None:
+        held_back = 0
+        stores = clears = False
+        for op in ops:
+            if op[0] == "store":
+                stores = True
+                _, chain, first, count = op
+                parent = (chain, first - 1) if first else None
+                blocks = [(chain, i) for i in range(first, first + count)]
+                if parent is not None and parent in self.pool_of:
+                    self._hold(self.pool_of[parent], op, blocks)
+                    held_back += 1
+                elif parent is None or parent in self.held:
+                    self.held.update(blocks)
+                    for b in blocks:
+                        if b in self.pool:
+                            self._adopt(b)
+                else:
+                    self._hold(parent, op, blocks)
+                    held_back += 1
+            elif op[0] == "remove":
+                block = (op[1], op[2])
+                root = self.pool_of.pop(block, None)
+                if root is None:
+                    self.held.discard(block)
+                    continue
+                held_back += 1
+                if any(r == root for r in self.pool_of.values()):
+                    self.pool[root].append(op)
+                else:  # nothing of that chain is held any more
+                    del self.pool[root]
+            else:
+                self.held.clear()
+                self._drop_pool()
+                clears = True
+        if self.pool and not self.resyncing:
+            self.resyncing = True
+            self.clean = 0
+        if clears:
+            self.exact = True
+        if self.resyncing:
+            if clears:
+                self.resyncing = False
+                self.clean = 0
+            elif stores:
+                self.clean = self.clean + 1 if held_back == 0 and not self.pool else 0
+                if self.clean >= RECOVERY_BATCHES and not self.pool:
+                    self.resyncing = False
+                    self.clean = 0
+        if not self.resyncing and not self.pool:
+            self.recovering = False
+
+    def _hold(self, root: tuple[int, int], op: tuple, blocks: list[tuple[int, int]]) -> None:
+        self.pool.setdefault(root, []).append(op)
+        for b in blocks:
+            self.pool_of[b] = root
+
+    def _adopt(self, root: tuple[int, int]) -> None:
+        pending = [root]
+        while pending:
+            ops = self.pool.pop(pending.pop(), [])
+            for op in ops:
+                if op[0] == "store":
+                    _, chain, first, count = op
+                    blocks = [(chain, i) for i in range(first, first + count)]
+                    for b in blocks:
+                        self.pool_of.pop(b, None)
+                    self.held.update(blocks)
+                    pending.extend(b for b in blocks if b in self.pool)
+                else:
+                    self.held.discard((op[1], op[2]))
 
 
 @dataclass

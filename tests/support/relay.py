@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -112,6 +113,17 @@ class RouterView:
         for item in self.sub.poll(timeout_s):
             self.items.append(item)
             self.ingestor.on_item(item)
+
+    def got_live(self, seq: int, within_s: float = 0.5) -> bool:
+        """Whether batch ``seq``, just published, arrives within ``within_s`` with the SUB
+        connected (a live batch received): caught up through a join replay is not enough,
+        the next batches could still be lost to the slow joiner."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            self.pump()
+            if self.sub.last_seq == seq and self.sub.statistics().received > 0:
+                return True
+        return False
 
     def wait_seq(self, seq: int, each: Callable[[], None] | None = None, timeout_s: float = 15) -> None:
         def there() -> bool:

@@ -15,7 +15,12 @@ What is wired here, once:
 
 * the ingestor's state changes make a worker *cold* in the router (resyncing
   or stale entries are not trusted), as does the gateway's truth loop
-  (:meth:`RoutingCore.set_distrusted`);
+  (:meth:`RoutingCore.set_distrusted`); a resyncing worker the truth loop does
+  not distrust is *recovering*: the router credits it with what it routes
+  there and, from those prompts, names the lost parents of its orphaned
+  stores for the ingestor (``Router.name_parent``; docs/faults.md, "What is
+  trusted when"), and the ingestor reads the engine's capacity the cost
+  model learnt (``Router.capacity_blocks``);
 * every batch the index applies, and every clear, reaches the router's cost
   model (``Router.on_index_applied`` / ``on_index_cleared``: stores end the
   predictions they confirm, removals tell an engine's capacity);
@@ -156,6 +161,7 @@ class RoutingCore:
         ingestor = IndexIngestor(
             index, recovery_batches=self._recovery_batches, clock=self._clock, raw=self._raw_ingest,
             on_state_change=self._on_state_change, on_applied=self._on_applied, on_cleared=self._on_cleared,
+            name_parent=self._name_parent, capacity_blocks=self._capacity_blocks,
         )
         return index, ingestor, router
 
@@ -239,7 +245,7 @@ class RoutingCore:
             self._ingestor.add_worker(name)
             if name not in self._unreachable:
                 self._router.add_worker(name, parsed, events=events)
-                self._router.set_cold(name, self.is_cold(name))
+                self._set_router_cold(name)
 
     def ensure_worker(self, name: str) -> None:
         """Make ``name`` routable with its current ingestion state (no-op when known)."""
@@ -259,7 +265,7 @@ class RoutingCore:
         if name not in self._unreachable:
             self._router.add_worker(name, role)
             if self.is_cold(name):
-                self._router.set_cold(name, True)
+                self._set_router_cold(name)
 
     def remove_worker(self, name: str) -> None:
         """Forget ``name`` everywhere: routing, ingestion state, index entries, marks."""
@@ -328,7 +334,7 @@ class RoutingCore:
                 if name in self._unreachable:
                     self._unreachable.discard(name)
                     self._router.add_worker(name, self._roles[name], events=name not in self._no_events)
-                    self._router.set_cold(name, self.is_cold(name))
+                    self._set_router_cold(name)
             elif name not in self._unreachable:
                 self._unreachable.add(name)
                 self._router.remove_worker(name)
@@ -344,7 +350,12 @@ class RoutingCore:
     def _refresh_cold(self, name: str) -> None:
         # under the router lock
         if name in self._roles and name not in self._unreachable:
-            self._router.set_cold(name, self.is_cold(name))
+            self._set_router_cold(name)
+
+    def _set_router_cold(self, name: str) -> None:
+        # under the router lock: cold when not trusted; recovering when only lost events are why
+        recovering = name not in self._distrusted and self._ingestor.is_recovering(name)
+        self._router.set_cold(name, self.is_cold(name), recovering=recovering)
 
     # --- the ingestor's and the index's callbacks (under the ingest lock) -----------------
 
@@ -359,6 +370,14 @@ class RoutingCore:
     def _on_cleared(self, worker: str) -> None:
         with self._lock:
             self._router.on_index_cleared(worker)
+
+    def _name_parent(self, worker: str, root: int, block_bytes: bytes) -> list[int] | None:
+        with self._lock:
+            return self._router.name_parent(worker, root, block_bytes)
+
+    def _capacity_blocks(self, worker: str) -> int | None:
+        with self._lock:
+            return self._router.capacity_blocks(worker)
 
     # --- routing -----------------------------------------------------------------------------
 
@@ -435,6 +454,6 @@ class RoutingCore:
                 self._ingestor.add_worker(name)
                 if name not in self._unreachable:
                     self._router.add_worker(name, role, events=name not in self._no_events)
-                    self._router.set_cold(name, self.is_cold(name))
+                    self._set_router_cold(name)
             for name, trust in self._trust.items():
                 self._router.set_trust(name, trust)

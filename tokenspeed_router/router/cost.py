@@ -116,6 +116,13 @@ class CostModel:
     def forget(self, name: str) -> None:
         self._engines.pop(name, None)
 
+    def capacity_tokens(self, name: str) -> float | None:
+        """``name``'s cache capacity in tokens (learnt from its removals, or configured); None: unknown."""
+        eng = self._engines.get(name)
+        if eng is None or eng.capacity_tokens == math.inf:
+            return None
+        return eng.capacity_tokens
+
     def estimates(self, now: float) -> dict[str, EngineEstimate]:
         """What the model believes of each engine it has routed to."""
         return {

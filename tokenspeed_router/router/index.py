@@ -68,6 +68,7 @@ from tokenspeed_router.events.validation import (
 from tokenspeed_router.hashing import HASH_VERSION, root_seed
 from tokenspeed_router.router.index_core import CoreName, IndexCore, WorkerInfo
 from tokenspeed_router.router.index_reference import ReferenceCore
+from tokenspeed_router.router.recovery import is_inferred_id
 from tokenspeed_router.router.tiers import (
     ALL_TIERS,
     CPU,
@@ -601,11 +602,13 @@ class KvIndex:
         """Serialise the whole index (msgspec msgpack, versioned, O(total blocks)).
 
         The format is the same for both cores: either restores the other's.
-        Entries are listed in no particular order.
+        Entries are listed in no particular order. Blocks the ingestor inferred
+        (``router/recovery.py``) are left out: what tracks them (to drop them
+        at a removal the index cannot place) does not survive a restore.
         """
         snaps = []
         for name in self._core.workers():
-            ext, content, unmatchable, tier_index, tier_code = self._core.items(name)
+            ext, content, unmatchable, tier_index, tier_code = _without_inferred(*self._core.items(name))
             snaps.append(
                 _WorkerSnap(
                     name=name,
@@ -728,6 +731,24 @@ class KvIndex:
             batches = [KVEventBatch(0.0, events[i : i + 64]) for i in range(0, len(events), 64)]
             out[name] = batches or [KVEventBatch(0.0, [])]
         return out
+
+
+def _without_inferred(
+    ext: list[Any], content: list[int], unmatchable: list[int], tier_index: list[int], tier_code: list[int]
+) -> tuple[list[Any], list[int], list[int], list[int], list[int]]:
+    """A worker's items (``IndexCore.items``) less its inferred ids, positions renumbered."""
+    keep = [i for i, x in enumerate(ext) if not is_inferred_id(x)]
+    if len(keep) == len(ext):
+        return ext, content, unmatchable, tier_index, tier_code
+    pos = {old: new for new, old in enumerate(keep)}
+    pairs = [(pos[i], c) for i, c in zip(tier_index, tier_code, strict=True) if i in pos]
+    return (
+        [ext[i] for i in keep],
+        [content[i] for i in keep],
+        [pos[i] for i in unmatchable if i in pos],
+        [p for p, _ in pairs],
+        [c for _, c in pairs],
+    )
 
 
 class _WorkerSnap(msgspec.Struct, array_like=True):

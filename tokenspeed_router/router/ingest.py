@@ -10,11 +10,15 @@ States (DESIGN §5, STYLE §7):
     Every batch since the worker's last known-empty point (start, restart or
     ``AllBlocksCleared``) has been applied. Its blocks are scored.
 ``resyncing``
-    Events were lost. Its entries were dropped, and the index may still miss
-    blocks the worker holds (children of lost blocks are rejected until they
-    are evicted or stored again). It is *cold*: the router scores it 0 and
-    routes to it by load only. Later batches are still applied (to the
-    cleared state), so its entries rebuild in the background.
+    Events were lost. Its entries were dropped; the index holds only what
+    the engine stored since (and what was named from the router's own
+    routes, ``router/recovery.py``), so it may miss blocks the worker holds.
+    It is *cold*: the router does not score its index entries; it credits
+    what it routed there itself since the loss (``Router``'s record, as the
+    ``approx`` policy does) and routes on that and load. Later batches are
+    still applied, so its entries rebuild in the background, and stores
+    under unknown parents are held back as orphans until their chain is
+    known (docs/faults.md, "What is trusted when").
 ``stale``
     Set from outside (:meth:`IndexIngestor.mark_stale`), e.g. by the server
     when a publisher has been silent for too long. Entries are kept but not
@@ -32,15 +36,25 @@ Transitions:
   (a lost event the seq did not reveal): the index applied nothing. Because the
   rejected batch may hold ``BlockRemoved`` events, keeping the old entries
   could claim blocks the worker no longer has, so the worker's entries are
-  dropped, it goes ``resyncing``, and the batch is then salvaged event by event
-  into the cleared state (events whose parent is known apply, the rest are
-  counted as rejected).
+  dropped, it goes ``resyncing``, and the batch is then taken event by event
+  into the cleared state: events whose parent is known apply, stores under an
+  unknown parent are held back as orphans (``router/recovery.py``).
+* While a worker recovers (from a loss until no orphan is held back and no
+  named parent is watched), its batches take the typed path event by event:
+  orphans, the removals of their blocks and the stores under named parents
+  must be seen one by one. A removal of a block the index does not know drops
+  every block the router inferred for that worker (it may have been one).
 * ``resyncing`` -> ``live``: at an ``AllBlocksCleared`` for all media (the
-  index is exact from that point), or after ``recovery_batches`` consecutive
-  batches that store blocks and apply without an unknown parent (the worker's
-  cache has turned over enough that new content chains from known blocks; a
+  index is exact from that point), or when all of these hold: no orphan is
+  held back (every block stored since the loss chains from a known block);
+  the last ``recovery_batches`` block-storing batches applied with every
+  parent known (or named); and, when the engine's capacity is known
+  (``capacity_blocks``, learnt by the router from its removals), the engine
+  has stored at least that many blocks since the loss: anything it held
+  before the loss and did not use since has been evicted (an LRU cache
+  turned over), and what it used since was announced again or named. A
   worker that dumps its cache as BlockStored events from the root recovers
-  this way too).
+  this way too.
 
 Decoding errors never reach this module (the subscriber drops bad frames).
 Single owner, like the index: not thread safe. O(events) per batch.
@@ -51,7 +65,8 @@ case is applied in C without a Python object per block and without the GIL,
 and everything else (another block grid, LoRA, a first batch, ...) comes
 back untouched and takes the typed path below. The two are the same
 semantics (tests/property/test_raw_ingest.py): same counters, same state
-transitions, same salvage of a refused batch.
+transitions, same handling of a refused batch (it is taken again on the typed
+path, whose orphans are held back).
 """
 
 from __future__ import annotations
@@ -63,9 +78,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tokenspeed_router.errors import IndexConsistencyError, WireError
+from tokenspeed_router.errors import IndexConsistencyError, UnknownParentError, WireError
 from tokenspeed_router.events.codec import only_unknown_events
-from tokenspeed_router.events.schema import AllBlocksCleared, BlockStored, KVEventBatch
+from tokenspeed_router.events.schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    KVEventBatch,
+)
 from tokenspeed_router.events.sequencing import SequenceTracker, VerdictKind
 from tokenspeed_router.events.subscriber import (
     RESYNC_SHED,
@@ -74,7 +95,10 @@ from tokenspeed_router.events.subscriber import (
     ResyncNeeded,
     SubscriberItem,
 )
-from tokenspeed_router.router.index import RawApplied
+from tokenspeed_router.events.validation import DUMP_CONTENT_KEY
+from tokenspeed_router.hashing import root_seed, tokens_to_bytes
+from tokenspeed_router.router.index import ApplyStats, RawApplied, lora_key
+from tokenspeed_router.router.recovery import OrphanPool, WorkerRecovery, content_store, inferred_id
 
 __all__ = ["IndexIngestor", "IngestTarget", "WorkerState", "WorkerStatus"]
 
@@ -128,6 +152,16 @@ class WorkerStatus:
     batches_skipped: int = 0
     """Recorded batches whose events were all of unknown kinds (log replay; the live path
     counts them in the subscriber)."""
+    orphan_blocks: int = 0
+    """Blocks held back now: stored under a block the index does not know (router/recovery.py)."""
+    adopted_blocks: int = 0
+    """Held-back blocks applied once their chain was known."""
+    named_parents: int = 0
+    """Unknown parents named from the router's own routes."""
+    inferred_blocks: int = 0
+    """Blocks the index holds now under inferred ids (ancestors of named parents)."""
+    inferred_drops: int = 0
+    """Times every inferred block was dropped (a removal the index could not place)."""
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form."""
@@ -147,11 +181,18 @@ class WorkerStatus:
             "restarts": self.restarts,
             "state_since_s": self.state_since_s,
             "batches_skipped": self.batches_skipped,
+            "orphan_blocks": self.orphan_blocks,
+            "adopted_blocks": self.adopted_blocks,
+            "named_parents": self.named_parents,
+            "inferred_blocks": self.inferred_blocks,
+            "inferred_drops": self.inferred_drops,
         }
 
 
 class _Track:
     __slots__ = (
+        "adopted_blocks",
+        "aliased_mark",
         "batches_applied",
         "batches_rejected",
         "batches_skipped",
@@ -160,9 +201,15 @@ class _Track:
         "epoch",
         "events_applied",
         "events_rejected",
+        "exact",
+        "inferred",
+        "inferred_drops",
         "last_batch_ts",
         "last_recv_time_s",
         "last_seq",
+        "named_parents",
+        "orphans_dropped",
+        "recovery",
         "restarts",
         "resyncs",
         "state",
@@ -173,6 +220,8 @@ class _Track:
     def __init__(self, now_s: float) -> None:
         self.state = WorkerState.LIVE
         self.state_since_s = now_s
+        #: every batch since a known-empty point (start, restart, clear of every tier) applied
+        self.exact = True
         self.last_seq: int | None = None
         self.epoch = 0
         self.batches_applied = 0
@@ -187,6 +236,17 @@ class _Track:
         self.restarts = 0
         self.clean_batches = 0
         self.tracker: SequenceTracker | None = None  # log replay only
+        #: from a loss until nothing is held back or watched (router/recovery.py)
+        self.recovery: WorkerRecovery | None = None
+        #: inferred ids the index holds for this worker now (router/recovery.py)
+        self.inferred: set[bytes] = set()
+        #: the worker's aliased ids when ``inferred`` last changed: more since is a store of an
+        #: inferred block's content under an engine id, which would outlive that id's removal
+        self.aliased_mark = 0
+        self.adopted_blocks = 0
+        self.named_parents = 0
+        self.inferred_drops = 0
+        self.orphans_dropped = 0
 
 
 def _clears_everything(event: object) -> bool:
@@ -208,6 +268,16 @@ class IndexIngestor:
     resync dropped the worker's entries; the router's cost model v2 reads
     stores, removals and clears from them (``Router.on_index_applied`` /
     ``on_index_cleared``).
+
+    Recovery after a loss (``router/recovery.py``): ``name_parent(worker,
+    root, block_bytes)`` returns the content ids of the prefix that a block
+    with those tokens (u64-LE bytes) extends on ``worker``, from what the
+    router routed there (``Router.name_parent``), or None; ``capacity_blocks
+    (worker)`` the engine's capacity in blocks when known. Without them,
+    orphans are still held back until their parent is stored again, and
+    recovery needs no turnover. ``max_orphan_blocks`` bounds the blocks held
+    back per worker (the oldest chains go first, and the turnover count starts
+    again, since what they held is unknown again).
     """
 
     def __init__(
@@ -220,9 +290,20 @@ class IndexIngestor:
         raw: bool = True,
         on_applied: Callable[[str, object], None] | None = None,
         on_cleared: Callable[[str], None] | None = None,
+        name_parent: Callable[[str, int, bytes], list[int] | None] | None = None,
+        capacity_blocks: Callable[[str], int | None] | None = None,
+        max_orphan_blocks: int = 262_144,
     ) -> None:
         if recovery_batches < 1:
             raise ValueError(f"recovery_batches must be >= 1, got {recovery_batches}")
+        if max_orphan_blocks < 1:
+            raise ValueError(f"max_orphan_blocks must be >= 1, got {max_orphan_blocks}")
+        self._name_parent = name_parent
+        self._capacity_blocks = capacity_blocks
+        self._max_orphan_blocks = max_orphan_blocks
+        self._block_size_of: Callable[[str], int | None] | None = getattr(index, "block_size_of", None)
+        self._num_blocks: Callable[[str], int] | None = getattr(index, "num_blocks", None)
+        self._worker_info: Callable[[str], object] | None = getattr(index, "worker_info", None)
         self._index = index
         self._recovery_batches = recovery_batches
         self._clock = clock
@@ -249,7 +330,7 @@ class IndexIngestor:
             t = self._track(item.worker)
             t.epoch = item.epoch
             t.last_seq = item.seq
-            if self._raw is not None and item.payload and self._apply_raw(item.worker, t, item):
+            if self._raw is not None and item.payload and t.recovery is None and self._apply_raw(item.worker, t, item):
                 return
             self._apply(item.worker, t, item.batch, item.recv_time_s)
         elif isinstance(item, PublisherRestarted):
@@ -286,7 +367,7 @@ class IndexIngestor:
             if self._raw_many is not None:
                 while run_end < n:
                     nxt = items[run_end]
-                    if not (isinstance(nxt, BatchReceived) and nxt.payload):
+                    if not (isinstance(nxt, BatchReceived) and nxt.payload and self._raw_ok(nxt.worker)):
                         break
                     run_end += 1
             if run_end - i < 2:  # nothing to gain from a run of one
@@ -397,6 +478,11 @@ class IndexIngestor:
         t = self._tracks.get(worker)
         return t is not None and t.state is not WorkerState.LIVE
 
+    def is_recovering(self, worker: str) -> bool:
+        """True while ``worker`` is ``resyncing`` after lost events (the router bridges it)."""
+        t = self._tracks.get(worker)
+        return t is not None and t.state is WorkerState.RESYNCING
+
     def state(self, worker: str) -> WorkerState:
         """The worker's state (KeyError if never seen)."""
         return self._get(worker).state
@@ -423,6 +509,11 @@ class IndexIngestor:
             restarts=t.restarts,
             state_since_s=t.state_since_s,
             batches_skipped=t.batches_skipped,
+            orphan_blocks=t.recovery.pool.num_blocks if t.recovery is not None else 0,
+            adopted_blocks=t.adopted_blocks,
+            named_parents=t.named_parents,
+            inferred_blocks=len(t.inferred),
+            inferred_drops=t.inferred_drops,
         )
 
     def statuses(self) -> dict[str, WorkerStatus]:
@@ -454,12 +545,20 @@ class IndexIngestor:
         if self._on_state_change is not None:
             self._on_state_change(worker, state)
 
+    def _raw_ok(self, worker: str) -> bool:
+        """Whether ``worker``'s batches may take the raw path (not while it recovers)."""
+        t = self._tracks.get(worker)
+        return t is None or t.recovery is None
+
     def _restart(self, worker: str, t: _Track) -> None:
         self._index.clear_worker(worker)
         if self._on_cleared is not None:
             self._on_cleared(worker)
         t.restarts += 1
         t.clean_batches = 0
+        t.exact = True
+        t.recovery = None  # a new engine: nothing it held before is held now
+        t.inferred.clear()
         self._set_state(worker, t, WorkerState.LIVE)
 
     def _resync(self, worker: str, t: _Track, why: str) -> None:
@@ -468,19 +567,28 @@ class IndexIngestor:
             self._on_cleared(worker)
         t.resyncs += 1
         t.clean_batches = 0
+        t.exact = False
+        t.inferred.clear()
+        rec = t.recovery
+        if rec is None:
+            t.recovery = WorkerRecovery(OrphanPool(max_blocks=self._max_orphan_blocks))
+        else:  # another loss: what was held back may have lost its removals; named chains stay true
+            t.orphans_dropped += rec.pool.clear()
+            rec.stored_since_loss = 0
         logger.warning("worker=%s resync: %s; its entries were dropped", worker, why)
         self._set_state(worker, t, WorkerState.RESYNCING)
 
     def _apply(self, worker: str, t: _Track, batch: KVEventBatch, recv_time_s: float) -> None:
         t.last_batch_ts = batch.ts
         t.last_recv_time_s = recv_time_s
+        if t.recovery is not None:
+            self._apply_recovering(worker, t, batch)
+            return
         try:
             stats = self._index.apply(worker, batch)
         except IndexConsistencyError as err:
             t.batches_rejected += 1
-            if t.state is not WorkerState.RESYNCING:
-                self._resync(worker, t, f"batch rejected: {err}")
-            self._salvage(worker, t, batch)
+            self._refused(worker, t, batch, f"batch rejected: {err}")
             return
         except WireError as err:
             # A malformed event (not a lost one): keep the entries, skip that event.
@@ -489,11 +597,27 @@ class IndexIngestor:
             self._salvage(worker, t, batch)
             return
         events = batch.events
+        watch = t.state is not WorkerState.LIVE or not t.exact
         self._applied(
             worker, t, len(events), stats,
-            clears=t.state is not WorkerState.LIVE and any(_clears_everything(e) for e in events),
+            clears=watch and any(_clears_everything(e) for e in events),
             stores=t.state is not WorkerState.LIVE and any(isinstance(e, BlockStored) for e in events),
         )
+
+    def _refused(self, worker: str, t: _Track, batch: KVEventBatch, why: str) -> None:
+        """The index refused a batch whole: a store under a parent it does not know.
+
+        On a worker exact since its last known-empty point, that is a lost event
+        the seq did not reveal (and the refused batch may hold removals): its
+        entries are dropped (a resync). On one that lost events before, it is
+        what the engine kept from then: the batch is taken event by event, its
+        orphans held back, and its entries kept (nothing they claim is wrong).
+        """
+        if t.exact:
+            self._resync(worker, t, why)
+        else:
+            self._incomplete(worker, t, "a store under a block from before a loss")
+        self._apply_recovering(worker, t, batch)
 
     def _apply_raw(self, worker: str, t: _Track, item: BatchReceived) -> bool:
         """The raw path (module docstring): False when the batch must be decoded instead."""
@@ -507,61 +631,339 @@ class IndexIngestor:
 
     def _raw_applied(self, worker: str, t: _Track, item: BatchReceived, got: RawApplied) -> None:
         """The bookkeeping of a batch the raw path took (applied, or refused whole)."""
-        assert self._raw is not None
         t.last_batch_ts = got.ts
         t.last_recv_time_s = item.recv_time_s
         if not got.unknown_parent:
             self._applied(worker, t, got.stats.events, got.stats, clears=got.clears_everything, stores=got.stores)
             return
         t.batches_rejected += 1
-        if t.state is not WorkerState.RESYNCING:
-            self._resync(worker, t, "batch rejected: a BlockStored's parent is not held")
-        salvaged = self._raw(worker, item.payload, salvage=True)
-        if salvaged is None:  # cannot be told apart from here: let the typed salvage decide
-            self._salvage(worker, t, item.batch)
-            return
-        t.events_rejected += salvaged.rejected
-        t.events_applied += salvaged.stats.events - salvaged.rejected
-        t.clean_batches = 0
-        if salvaged.last_clear > salvaged.last_reject and t.state is WorkerState.RESYNCING:
-            self._set_state(worker, t, WorkerState.LIVE)
+        self._refused(worker, t, item.batch, "batch rejected: a BlockStored's parent is not held")
 
-    def _applied(self, worker: str, t: _Track, events: int, stats: object, *, clears: bool, stores: bool) -> None:
-        """A batch applied whole: count it and move the worker's state (``clears``:
-        an AllBlocksCleared of every tier; ``stores``: a BlockStored)."""
+    def _applied(
+        self, worker: str, t: _Track, events: int, stats: object, *, clears: bool, stores: bool, clean: bool = True
+    ) -> None:
+        """A batch applied (``clears``: an AllBlocksCleared of every tier; ``stores``: a
+        BlockStored; ``clean``: none of its blocks is held back): count it, drop the
+        inferred blocks if a removal could have named one, and move the worker's state."""
         t.batches_applied += 1
         t.events_applied += events
+        if t.inferred:
+            self._check_inferred(worker, t, stats)
         if self._on_applied is not None:
             self._on_applied(worker, stats)
-        if t.state is WorkerState.LIVE:
-            return
+        if clears:
+            t.exact = True
+        if t.state is not WorkerState.LIVE:
+            self._move_state(worker, t, clears=clears, stores=stores, clean=clean)
+        rec = t.recovery
+        if rec is not None and t.state is WorkerState.LIVE and rec.settled:
+            t.recovery = None
+
+    def _move_state(self, worker: str, t: _Track, *, clears: bool, stores: bool, clean: bool) -> None:
+        """A batch applied to a worker that is not live: does it make it live?"""
         if clears:
             t.clean_batches = 0
             self._set_state(worker, t, WorkerState.LIVE)
         elif stores:
-            t.clean_batches += 1
-            if t.state is WorkerState.STALE or t.clean_batches >= self._recovery_batches:
+            t.clean_batches = t.clean_batches + 1 if clean else 0
+            if t.state is WorkerState.STALE or self._recovered(worker, t):
                 t.clean_batches = 0
                 self._set_state(worker, t, WorkerState.LIVE)
         elif t.state is WorkerState.STALE:
             self._set_state(worker, t, WorkerState.LIVE)
 
+    def _recovered(self, worker: str, t: _Track) -> bool:
+        """The ``resyncing`` -> ``live`` rule (module docstring), clears aside."""
+        if t.clean_batches < self._recovery_batches:
+            return False
+        rec = t.recovery
+        if rec is None:
+            return True
+        if rec.pool:
+            return False
+        capacity = self._capacity_blocks(worker) if self._capacity_blocks is not None else None
+        return capacity is None or rec.stored_since_loss >= capacity
+
     def _salvage(self, worker: str, t: _Track, batch: KVEventBatch) -> None:
-        """Apply a refused batch one event at a time; count what still fails."""
+        """Apply a batch with a malformed event one event at a time; count what still fails."""
         last_clear = last_reject = -1
         applied = 0
         for i, event in enumerate(batch.events):
             try:
-                self._index.apply(worker, KVEventBatch(batch.ts, [event], batch.data_parallel_rank))
+                stats = self._index.apply(worker, KVEventBatch(batch.ts, [event], batch.data_parallel_rank))
             except (IndexConsistencyError, WireError) as err:
                 t.events_rejected += 1
                 last_reject = i
                 logger.debug("worker=%s event %d rejected: %s", worker, i, err)
                 continue
             applied += 1
+            if t.inferred and _stat_fields(stats)[4]:
+                self._drop_inferred(worker, t)
             if _clears_everything(event):
                 last_clear = i
         t.events_applied += applied
         t.clean_batches = 0
-        if last_clear > last_reject and t.state is WorkerState.RESYNCING:
-            self._set_state(worker, t, WorkerState.LIVE)
+        if last_clear > last_reject:
+            t.exact = True
+            if t.state is WorkerState.RESYNCING:
+                self._set_state(worker, t, WorkerState.LIVE)
+
+    # --- recovery (router/recovery.py) ------------------------------------------------
+
+    def _apply_recovering(self, worker: str, t: _Track, batch: KVEventBatch) -> None:
+        """One batch of a recovering worker, event by event: orphans held back, their
+        removals and descendants with them, chains applied once known."""
+        rec = t.recovery
+        assert rec is not None
+        ts, rank = batch.ts, batch.data_parallel_rank
+        totals = [0, 0, 0, 0, 0, 0]  # events, stored, duplicate, removed, unknown, cleared
+        applied = held = rejected = 0
+        stores = clears = False
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                stores = True
+                rec.stored_since_loss += len(event.block_hashes)
+                root = rec.pool.root_of(event.parent_block_hash)
+                if root is not None:  # under a held-back block: held back with it
+                    self._hold(worker, t, rec, event, root)
+                    held += 1
+                    first = rec.pool.first_store(root)  # routes since may name the root now
+                    if first is not None:
+                        self._name(worker, t, rec, first, ts, rank, totals)
+                    continue
+                self._readopt(worker, t, rec, rec.anchor_of(event.parent_block_hash), ts, rank, totals)
+                try:
+                    self._apply_one(worker, t, event, ts, rank, totals)
+                except UnknownParentError:
+                    if self._holdable(worker, event):
+                        self._hold(worker, t, rec, event, event.parent_block_hash)
+                        held += 1
+                        self._name(worker, t, rec, event, ts, rank, totals)
+                    else:
+                        t.events_rejected += 1
+                        rejected += 1
+                    continue
+                except (IndexConsistencyError, WireError) as err:
+                    t.events_rejected += 1
+                    rejected += 1
+                    logger.debug("worker=%s event rejected: %s", worker, err)
+                    continue
+                applied += 1
+                for h in event.block_hashes:  # a block chains were waiting on, stored again
+                    if rec.pool.waits_on(h):
+                        self._adopt(worker, t, rec, h, ts, rank, totals)
+            elif isinstance(event, BlockRemoved):
+                rest = rec.pool.split_removal(event)
+                if rest is None:
+                    held += 1
+                    continue
+                rec.forget_anchors(rest.block_hashes)
+                if not self._try_apply(worker, t, rest, ts, rank, totals):
+                    rejected += 1
+                    continue
+                applied += 1
+            else:
+                if not self._try_apply(worker, t, event, ts, rank, totals):
+                    rejected += 1
+                    continue
+                applied += 1
+                if event.medium is None:
+                    clears = True
+                    t.orphans_dropped += rec.pool.clear()  # the engine holds none of them now
+                    t.inferred.clear()  # the clear dropped them from the index
+                elif t.inferred:  # a tier cleared: the inferred blocks may have been on it
+                    self._drop_inferred(worker, t)
+        if rec.pool and t.state is WorkerState.LIVE:
+            # Blocks under a block the index does not know (one it had inferred, or a lost
+            # event): what it says is known incomplete. Every event was applied or held in
+            # order, so what it holds is still right: no clear, no resync counted.
+            self._incomplete(worker, t, "blocks held under unknown parents")
+        blocks = self._num_blocks(worker) if self._num_blocks is not None else -1
+        stats = ApplyStats(totals[0], totals[1], totals[2], totals[3], totals[4], totals[5], blocks)
+        self._applied(
+            worker, t, applied, stats, clears=clears, stores=stores,
+            clean=held == 0 and not rejected and not rec.pool,
+        )
+
+    def _try_apply(
+        self, worker: str, t: _Track, event: Event, ts: float, rank: int | None, totals: list[int]
+    ) -> bool:
+        """:meth:`_apply_one`, counting an event the index refuses instead (False)."""
+        try:
+            self._apply_one(worker, t, event, ts, rank, totals)
+        except (IndexConsistencyError, WireError) as err:
+            t.events_rejected += 1
+            logger.debug("worker=%s event rejected: %s", worker, err)
+            return False
+        return True
+
+    def _apply_one(self, worker: str, t: _Track, event: Event, ts: float, rank: int | None, totals: list[int]) -> int:
+        """Apply one event to the index; add its stats to ``totals``; returns its unknown removals."""
+        stats = self._index.apply(worker, KVEventBatch(ts, [event], rank))
+        rec = t.recovery
+        if rec is not None and isinstance(event, BlockStored) and not _is_content_store(event):
+            rec.stored_under(event.parent_block_hash, event.block_hashes)
+        fields = _stat_fields(stats)
+        for i, v in enumerate(fields):
+            totals[i] += v
+        if t.inferred and not (isinstance(event, BlockStored) and _is_content_store(event)):
+            self._check_inferred(worker, t, stats)
+        return fields[4]
+
+    def _check_inferred(self, worker: str, t: _Track, stats: object) -> None:
+        """Drop every inferred block if a removal could have named one (an id the index could
+        not place) or a store aliased one (an engine id for an inferred block's content)."""
+        fields = _stat_fields(stats)
+        if fields[4] or (fields[1] and self._aliased(worker) > t.aliased_mark):
+            self._drop_inferred(worker, t)
+
+    def _holdable(self, worker: str, event: BlockStored) -> bool:
+        """Whether an orphan can ever be applied from its tokens (not a dump, not pre-hashed)."""
+        xk = event.extra_keys
+        return bool(event.token_ids) and not (type(xk) is dict and xk)
+
+    def _hold(self, worker: str, t: _Track, rec: WorkerRecovery, event: BlockStored, root: object) -> None:
+        dropped = rec.pool.hold_store(event, root)
+        if dropped:
+            t.orphans_dropped += len(dropped)
+            rec.stored_since_loss = 0  # what they held is unknown again: the turnover starts over
+            logger.info("worker=%s orphan pool full: dropped %d held-back chains", worker, len(dropped))
+
+    def _name(
+        self, worker: str, t: _Track, rec: WorkerRecovery, event: BlockStored, ts: float, rank: int | None,
+        totals: list[int],
+    ) -> None:
+        """Try to name an orphan's unknown parent (an anchor, else the router's routes), and if
+        named, store the parent's chain and apply what was held back under it."""
+        parent = event.parent_block_hash
+        chain = rec.anchor_chain(parent)
+        if chain is None:
+            chain = self._chain_from_routes(worker, event)
+            if chain is None:
+                return
+            t.named_parents += 1
+            rec.anchor(parent, chain)
+        bs = self._block_size_of(worker) if self._block_size_of is not None else None
+        if not bs:
+            return
+        self._store_chain(worker, t, parent, chain, bs, ts, rank, totals)
+        self._adopt(worker, t, rec, parent, ts, rank, totals)
+
+    def _chain_from_routes(self, worker: str, event: BlockStored) -> list[int] | None:
+        if self._name_parent is None or self._block_size_of is None:
+            return None
+        bs = self._block_size_of(worker)
+        if not bs or event.block_size != bs or len(event.token_ids) < bs:
+            return None
+        try:
+            data = tokens_to_bytes(event.token_ids[:bs])
+        except WireError:
+            return None
+        root = root_seed(lora_key(event.lora_id, event.lora_name), event.cache_salt)
+        return self._name_parent(worker, root, data)
+
+    def _store_chain(
+        self, worker: str, t: _Track, parent: object, chain: list[int], bs: int, ts: float, rank: int | None,
+        totals: list[int],
+    ) -> None:
+        """Hold a named parent's chain: the parent under its own id, its ancestors under inferred ids."""
+        self._infer(worker, t, chain[:-1], bs, ts, rank, totals)
+        alias = inferred_id(chain[-1])
+        if alias in t.inferred:  # the parent was inferred itself: its engine id takes over
+            t.inferred.discard(alias)
+            self._index.apply(worker, KVEventBatch(ts, [BlockRemoved(block_hashes=[alias])], rank))
+        self._apply_one(worker, t, content_store([parent], chain[-1:], bs), ts, rank, totals)
+        t.aliased_mark = self._aliased(worker)
+
+    def _infer(
+        self, worker: str, t: _Track, contents: list[int], bs: int, ts: float, rank: int | None, totals: list[int]
+    ) -> None:
+        """Hold ``contents`` under inferred ids, except those the worker holds under an engine's id
+        already: an inferred alias would outlive that id's removal (the index counts aliases)."""
+        aliased = self._aliased(worker)
+        for c in contents:
+            ext = inferred_id(c)
+            if ext in t.inferred:
+                continue
+            self._apply_one(worker, t, content_store([ext], [c], bs), ts, rank, totals)
+            now = self._aliased(worker)
+            if now > aliased:  # held already: take the alias back
+                self._index.apply(worker, KVEventBatch(ts, [BlockRemoved(block_hashes=[ext])], rank))
+            else:
+                t.inferred.add(ext)
+        t.aliased_mark = self._aliased(worker)
+
+    def _aliased(self, worker: str) -> int:
+        info = self._worker_info(worker) if self._worker_info is not None else None
+        return int(getattr(info, "aliased", 0))
+
+    def _readopt(
+        self, worker: str, t: _Track, rec: WorkerRecovery, parent: object, ts: float, rank: int | None,
+        totals: list[int],
+    ) -> None:
+        """A store under (a block below) a named parent proves its chain held again: re-hold
+        dropped inferred blocks."""
+        if parent is None:
+            return
+        chain = rec.anchor_chain(parent)
+        if chain is None or len(chain) < 2:
+            return
+        if all(inferred_id(c) in t.inferred for c in chain[:-1]):
+            return
+        bs = self._block_size_of(worker) if self._block_size_of is not None else None
+        if bs:
+            self._infer(worker, t, chain[:-1], bs, ts, rank, totals)
+
+    def _adopt(
+        self, worker: str, t: _Track, rec: WorkerRecovery, root: object, ts: float, rank: int | None,
+        totals: list[int],
+    ) -> None:
+        """``root`` is known now: apply what was held back under it, in its order."""
+        pending = [root]
+        while pending:
+            ops = rec.pool.take(pending.pop())
+            for op in ops:
+                if not self._try_apply(worker, t, op, ts, rank, totals):
+                    continue
+                t.events_applied += 1
+                if isinstance(op, BlockStored):
+                    t.adopted_blocks += len(op.block_hashes)
+                    pending.extend(h for h in op.block_hashes if rec.pool.waits_on(h))
+
+    def _drop_inferred(self, worker: str, t: _Track) -> None:
+        """A removal the index could not place (or an alias) may concern an inferred block: drop
+        them all. The index then lacks blocks the engine likely holds: known incomplete, so the
+        worker is ``resyncing`` again (entries kept) until its chains are re-adopted and its
+        cache has turned over."""
+        ids: list[int | bytes] = list(t.inferred)
+        t.inferred.clear()
+        t.inferred_drops += 1
+        self._index.apply(worker, KVEventBatch(0.0, [BlockRemoved(block_hashes=ids)]))
+        t.aliased_mark = self._aliased(worker)
+        self._incomplete(worker, t, "inferred blocks dropped")
+
+    def _incomplete(self, worker: str, t: _Track, why: str) -> None:
+        """The index is known to lack blocks the worker may hold, though nothing it holds is wrong."""
+        rec = t.recovery
+        if rec is None:
+            rec = t.recovery = WorkerRecovery(OrphanPool(max_blocks=self._max_orphan_blocks))
+        rec.stored_since_loss = 0
+        t.clean_batches = 0
+        if t.state is WorkerState.LIVE:
+            logger.info("worker=%s %s: resyncing (entries kept)", worker, why)
+            self._set_state(worker, t, WorkerState.RESYNCING)
+
+
+def _is_content_store(event: BlockStored) -> bool:
+    """A store of given content ids (the router's own: a named parent or inferred blocks)."""
+    xk = event.extra_keys
+    return type(xk) is dict and DUMP_CONTENT_KEY in xk
+
+
+def _stat_fields(stats: object) -> tuple[int, int, int, int, int, int]:
+    """The counts of an ``ApplyStats`` (or of any object with those fields) as a tuple."""
+    g = getattr
+    return (
+        g(stats, "events", 0), g(stats, "stored_blocks", 0), g(stats, "duplicate_blocks", 0),
+        g(stats, "removed_blocks", 0), g(stats, "unknown_removals", 0), g(stats, "cleared", 0),
+    )

@@ -6,7 +6,10 @@
   holds and on which tier: exact from the event-fed :class:`KvIndex` for
   workers that publish KV events, approximate (what this router routed there,
   with a TTL) for workers that do not, nothing for *cold* workers (their index
-  state is being resynchronised, so it cannot be trusted);
+  state is not trusted) -- except that a cold worker *recovering* from lost
+  events is credited, approximately, with what this router routed there since
+  the loss, and those prompts are kept as chains that name the parents of its
+  orphaned stores (``router/chain_record.py``, ``router/recovery.py``);
 * **load** — per worker, requests in flight, their outstanding prefill tokens
   and their context tokens, tracked from the router's own decisions and
   released by :meth:`Router.release` (request finished),
@@ -55,7 +58,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenspeed_router.errors import ConfigError, NoWorkerAvailableError
-from tokenspeed_router.hashing import ContentHash
+from tokenspeed_router.hashing import ContentHash, root_seed, tokens_to_bytes
+from tokenspeed_router.router.chain_record import ChainRecord
 from tokenspeed_router.router.config import (
     EngineEstimate,
     LoadProvider,
@@ -198,6 +202,9 @@ class Router:
         self._removed: set[str] = set()
         self._index_version: object = _UNSYNCED
         self._cold: set[str] = set()
+        #: cold workers recovering from lost events: credited with what this router routed there
+        #: since (the approximate store) and those prompts' chains, made on the first route there
+        self._recovering: dict[str, ChainRecord | None] = {}
         #: truth-loop trust below 1 per worker (credit scaled by it)
         self._trust: dict[str, float] = {}
         self._pools: _Pools | None = None  # derived from _workers; None = rebuild
@@ -291,22 +298,56 @@ class Router:
         if worker.role is not WorkerRole.BOTH:
             self._num_split_roles -= 1
         self._cold.discard(name)
+        self._recovering.pop(name, None)
         self._pools = None
         for entry in self._inflight.values():
             entry.parts = [p for p in entry.parts if p.worker != name]
         self._approx.clear_worker(name)
         self._cost.forget(name)
 
-    def set_cold(self, name: str, cold: bool) -> None:
+    def set_cold(self, name: str, cold: bool, *, recovering: bool = False) -> None:
         """Cold workers score 0 matched blocks (their index state is not trusted)
         but stay routable by load. The ingestor's resyncing/stale states map here.
+
+        ``recovering`` (a cold worker whose events were lost, the ingestor's
+        ``resyncing``): instead of 0 it is credited with what this router
+        routes there from now on (the approximate store, as for a worker
+        without events), and those prompts are kept as chains for
+        :meth:`name_parent`, until it is no longer cold.
         """
         self._discover()
-        self._worker(name).cold = bool(cold)
+        w = self._worker(name)
+        w.cold = bool(cold)
         if cold:
             self._cold.add(name)
         else:
             self._cold.discard(name)
+        if cold and recovering:
+            self._recovering.setdefault(name, None)
+        elif self._recovering.pop(name, _UNSYNCED) is not _UNSYNCED and not self._remembers(w):
+            self._approx.clear_worker(name)  # the index is trusted again: the memory goes
+
+    def name_parent(self, name: str, root: int, block_bytes: bytes) -> list[int] | None:
+        """Content ids of the prefix a block with these tokens extends on recovering worker ``name``,
+        from the prompts this router routed there (``ChainRecord.parent_chain``); None if unknown."""
+        record = self._recovering.get(name)
+        return record.parent_chain(block_bytes, root) if record is not None else None
+
+    def capacity_blocks(self, name: str) -> int | None:
+        """The engine's capacity in its index block size, as the cost model learnt it (None: unknown)."""
+        tokens = self._cost.capacity_tokens(name)
+        bs = self._index_block_size(name)
+        if tokens is None or not bs:
+            return None
+        return -(-int(tokens) // bs)
+
+    def _index_block_size(self, name: str) -> int | None:
+        bs_of = getattr(self._index, "block_size_of", None)
+        return bs_of(name) if bs_of is not None else None
+
+    def _remembers(self, w: _Worker) -> bool:
+        """Whether the approximate store is ``w``'s own memory (no events, or the approx policy)."""
+        return self._policy is Policy.APPROX or not w.events
 
     def set_trust(self, name: str, trust: float) -> None:
         """Scale ``name``'s credited prefix by ``trust`` (1: as known, 0: none, as if cold).
@@ -408,6 +449,8 @@ class Router:
         uncached = self._admit(request_id, now, num_tokens, known, decode, prefill, hashes)
         if hashes is not None:
             self._remember(hashes, (site, decode), now)
+        if self._recovering:
+            self._record_chains(token_ids, lora_id, salt, (site, decode))
         if shared is not None and policy in _COST_POLICIES:
             shared.routed((site, decode) if site != decode else (site,), hashes or (), request_id, uncached)
         self._routed += 1
@@ -606,9 +649,17 @@ class Router:
             bs = self._approx.block_size
             for name, blocks in self._approx.match(hashes, approx_names, now).items():
                 known[name] = PrefixCredit(blocks, bs, float(blocks * bs), _APPROX)
+        recovering = self._recovering
+        if recovering:  # their index entries are not trusted: what was routed there since is
+            for name in recovering:
+                known.pop(name, None)
+            bs = self._approx.block_size
+            for name, blocks in self._approx.match(hashes, recovering, now).items():
+                known[name] = PrefixCredit(blocks, bs, float(blocks * bs), _APPROX)
         self._cost.credit(known, hashes, index_workers, now)
         for name in self._cold:
-            known.pop(name, None)
+            if name not in recovering:
+                known.pop(name, None)
         for name, trust in self._trust.items():
             k = known.get(name)
             if k is not None:
@@ -764,9 +815,28 @@ class Router:
     def _remember(self, hashes: list[ContentHash], chosen: tuple[str, ...], now: float) -> None:
         """Record the routed prompt for workers whose knowledge comes from memory."""
         approx_all = self._policy is Policy.APPROX
+        recovering = self._recovering
         for name in dict.fromkeys(chosen):
-            if approx_all or not self._workers[name].events:
+            if approx_all or not self._workers[name].events or name in recovering:
                 self._approx.record(name, hashes, now)
+
+    def _record_chains(
+        self, token_ids: Any, lora_id: int | str | None, salt: str | bytes | None, chosen: tuple[str, ...]
+    ) -> None:
+        """Keep the routed prompt as a chain at each recovering chosen worker's block size."""
+        data: bytes | None = None
+        for name in dict.fromkeys(chosen):
+            if name not in self._recovering:
+                continue
+            bs = self._index_block_size(name)
+            if not bs:
+                continue
+            record = self._recovering[name]
+            if record is None or record.block_size != bs:
+                record = self._recovering[name] = ChainRecord(bs)
+            if data is None:
+                data = tokens_to_bytes(token_ids)
+            record.record(data, root_seed(lora_key(lora_id), salt))
 
     def _remember_peers(self, shared: PeerPredictions, now: float) -> None:
         """Take in the other replicas' requests as if this router had routed them (``peer_work.py``)."""

@@ -110,6 +110,14 @@ class WorkerAnswer(msgspec.Struct, forbid_unknown_fields=True):
     events_rejected: int
     resyncs: int
     restarts: int
+    #: recovery after lost events (docs/faults.md, "What is trusted when"): blocks held back under
+    #: unknown parents now, held-back blocks applied later, lost parents named from this router's
+    #: routes, blocks held under inferred ids now, times every inferred block was dropped
+    orphan_blocks: int
+    adopted_blocks: int
+    named_parents: int
+    inferred_blocks: int
+    inferred_drops: int
     replayed_batches: int
     gaps: int
     malformed_frames: int

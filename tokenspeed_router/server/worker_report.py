@@ -78,6 +78,12 @@ def worker_entries(
             "events_rejected": st.events_rejected if st is not None else 0,
             "resyncs": st.resyncs if st is not None else 0,
             "restarts": st.restarts if st is not None else 0,
+            # recovery after lost events (router/recovery.py; docs/faults.md, "What is trusted when")
+            "orphan_blocks": st.orphan_blocks if st is not None else 0,
+            "adopted_blocks": st.adopted_blocks if st is not None else 0,
+            "named_parents": st.named_parents if st is not None else 0,
+            "inferred_blocks": st.inferred_blocks if st is not None else 0,
+            "inferred_drops": st.inferred_drops if st is not None else 0,
             "replayed_batches": core.replayed.get(name, 0),
             "gaps": stats[name].gaps if name in stats else 0,
             "malformed_frames": stats[name].malformed_total if name in stats else 0,
