@@ -239,7 +239,9 @@ class EngineEstimate:
     ``queued_prefills``: prefills queued or running; the fitted
     ``prefill_tokens_per_s`` and ``prefill_overhead_s`` (``fit_samples``
     prefills seen); ``capacity_tokens``: the eviction horizon (None: unknown,
-    no eviction seen yet); ``predictions``: requests whose store is bridged.
+    no eviction seen yet); ``predictions``: requests whose store is bridged;
+    ``resident_new_tokens``: the new tokens the requests in flight there pin,
+    and ``residence_s`` how long a request stays (the cache-room wait).
     """
 
     queue_s: float
@@ -249,6 +251,8 @@ class EngineEstimate:
     fit_samples: int
     capacity_tokens: int | None
     predictions: int
+    resident_new_tokens: int = 0
+    residence_s: float = 0.0
 
     def to_dict(self) -> dict[str, float | int | None]:
         return {
@@ -259,6 +263,8 @@ class EngineEstimate:
             "fit_samples": self.fit_samples,
             "capacity_tokens": self.capacity_tokens,
             "predictions": self.predictions,
+            "resident_new_tokens": self.resident_new_tokens,
+            "residence_s": self.residence_s,
         }
 
 

@@ -172,6 +172,8 @@ class CostModel:
                 fit_samples=eng.own_fit.samples,
                 capacity_tokens=None if eng.capacity_tokens == math.inf else int(eng.capacity_tokens),
                 predictions=len(eng.predictions),
+                resident_new_tokens=eng.resident_new,
+                residence_s=eng.residence_s,
             )
             for name, eng in self._engines.items()
         }
