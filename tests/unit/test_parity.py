@@ -18,8 +18,8 @@ from tokenspeed_router.loadgen.parity import (
     simulate_spread,
     warm_up_requests,
 )
-from tokenspeed_router.sim.shapes import WorkloadConfig, generate_workload
 from tokenspeed_router.sim.cli_trace import DEFAULT_CAPACITY_TOKENS_PER_S
+from tokenspeed_router.sim.shapes import WorkloadConfig, generate_workload
 from tokenspeed_router.sim.traces import TraceRequest
 
 
