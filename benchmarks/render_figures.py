@@ -41,6 +41,8 @@ class Figure:
     value: Callable[[Any], str]
     against: Callable[[Any], str]
     command: str
+    #: the row is rendered only when this says so of the file (old and new formats of one results file)
+    when: Callable[[Any], bool] = lambda _data: True
 
 
 def _load(name: str) -> Any:
@@ -61,6 +63,75 @@ def _matrix_shapes(data: Any) -> str:
 def _median_ratio(data: Any, key: str) -> str:
     values = [v[key] for v in data["verdicts"] if v and v.get(key) is not None]
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def _witnessed(data: Any) -> bool:
+    """A routing matrix written since issue 31: a round-robin witness per cell and the ``with_vllm`` verdict."""
+    return "witness" in data
+
+
+def _unwitnessed(data: Any) -> bool:
+    return not _witnessed(data)
+
+
+def _queued(data: Any) -> list[dict[str, Any]]:
+    """The cells that count: the witness saw queues form (``queues_formed``), and kv_aware was judged."""
+    return [v for v in data["verdicts"] if v.get("queues_formed") and "p99_ok" in v]
+
+
+def _judged(data: Any) -> list[dict[str, Any]]:
+    return [v for v in data["verdicts"] if "p99_ok" in v]
+
+
+def _queues_formed(data: Any) -> str:
+    return f"{len(_queued(data))} / {len(_judged(data))}"
+
+
+def _queues_against(data: Any) -> str:
+    return (f"the other cells are light: listed in the file, counted nowhere; load {data['ideal_load']:g} "
+            f"(prefill demand with ideal reuse / capacity); {_matrix_shapes(data)}")
+
+
+def _with_vllm(data: Any, key: str) -> str:
+    rows = [v["with_vllm"] for v in _queued(data) if "with_vllm" in v]
+    return f"{sum(bool(r[key]) for r in rows)} / {len(rows)}"
+
+
+def _without_vllm(data: Any, key: str) -> str:
+    rows = _queued(data)
+    return f"{sum(bool(r[key]) for r in rows)} / {len(rows)} against `approx` and the validated peer alone"
+
+
+def _ratio_range(values: list[float]) -> str:
+    if not values:
+        return "no cells"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def _with_vllm_ratio(data: Any) -> str:
+    return _ratio_range([v["with_vllm"]["p99_vs_best"] for v in _queued(data)
+                         if v.get("with_vllm", {}).get("p99_vs_best") is not None])
+
+
+def _without_vllm_ratio(data: Any) -> str:
+    values = [v["p99_vs_best"] for v in _queued(data) if v.get("p99_vs_best") is not None]
+    return f"1.00 = as good as the best; {_ratio_range(values)} without the vllm-router emulation"
+
+
+def _docqa_p50(data: Any) -> str:
+    rows = [v for v in _queued(data) if v["shape"] == "docqa" and v.get("p50_vs_best_policy") is not None]
+    return f"{sum(v['p50_vs_best_policy'] <= 1.25 + 1e-9 for v in rows)} / {len(rows)}"
+
+
+def _docqa_against(data: Any) -> str:
+    rows = [v["p50_vs_best_policy"] for v in _queued(data)
+            if v["shape"] == "docqa" and v.get("p50_vs_best_policy") is not None]
+    return f"its p50 over the best policy's, median (min-max): {_ratio_range(rows)}"
+
+
+_MATRIX_WHAT = ("routing in `simulate`, held-out test set ([routing.md](docs/routing.md#how-the-defaults-were-chosen-"
+                "train-and-test))")
+_VLLM_RIVALS = "`approx`, the validated peer emulation and the vllm-router emulation"
 
 
 def _faults_rows(data: Any) -> str:
@@ -208,13 +279,26 @@ FIGURES: list[Figure] = [
            "train-and-test)): cells where `kv_aware`'s TTFT p99 ≤ the best of `approx` and the validated peer "
            "emulation",
            "routing-matrix-test.json", lambda d: _verdicts(d, "p99_ok"), _matrix_shapes,
-           "`benchmarks/routing_matrix.py --set test --seeds 1`"),
+           "`benchmarks/routing_matrix.py --set test --seeds 1`", _unwitnessed),
     Figure("… cells where its TTFT p50 ≤ 1.05x the best", "routing-matrix-test.json",
-           lambda d: _verdicts(d, "p50_ok"), _matrix_shapes, "same"),
+           lambda d: _verdicts(d, "p50_ok"), _matrix_shapes, "same", _unwitnessed),
     Figure("… cells where its hit ratio ≥ the best - 1 point", "routing-matrix-test.json",
-           lambda d: _verdicts(d, "hit_ok"), _matrix_shapes, "same"),
+           lambda d: _verdicts(d, "hit_ok"), _matrix_shapes, "same", _unwitnessed),
     Figure("… its TTFT p99 over the best rival's, median (min-max) of the cells", "routing-matrix-test.json",
-           lambda d: _median_ratio(d, "p99_vs_best"), lambda d: "1.00 = as good as the best", "same"),
+           lambda d: _median_ratio(d, "p99_vs_best"), lambda d: "1.00 = as good as the best", "same", _unwitnessed),
+    Figure(f"{_MATRIX_WHAT}: cells where queues formed (round robin's TTFT p99 ≥ 5x its p50 in the same cell); "
+           "only these count below", "routing-matrix-test.json", _queues_formed, _queues_against,
+           "`benchmarks/routing_matrix.py --set test --seeds 1`", _witnessed),
+    Figure(f"… cells where `kv_aware`'s TTFT p99 ≤ the best of {_VLLM_RIVALS}", "routing-matrix-test.json",
+           lambda d: _with_vllm(d, "p99_ok"), lambda d: _without_vllm(d, "p99_ok"), "same", _witnessed),
+    Figure("… cells where its TTFT p50 ≤ 1.05x the best of the same", "routing-matrix-test.json",
+           lambda d: _with_vllm(d, "p50_ok"), lambda d: _without_vllm(d, "p50_ok"), "same", _witnessed),
+    Figure("… cells where its hit ratio ≥ the best of the same - 1 point", "routing-matrix-test.json",
+           lambda d: _with_vllm(d, "hit_ok"), lambda d: _without_vllm(d, "hit_ok"), "same", _witnessed),
+    Figure(f"… its TTFT p99 over the best of {_VLLM_RIVALS}, median (min-max) of the cells",
+           "routing-matrix-test.json", _with_vllm_ratio, _without_vllm_ratio, "same", _witnessed),
+    Figure("… `docqa` cells where its TTFT p50 ≤ 1.25x the best of every policy run", "routing-matrix-test.json",
+           _docqa_p50, _docqa_against, "same", _witnessed),
     Figure("live, real time, engines at the prior, medians of 3: cells where our gateway's TTFT p99 <= both "
            "peers'", "compare-routers.json", lambda d: _live_cells(d, "ttft_p99"), _live_against,
            "`benchmarks/compare_routers.py` ([compare-routers.md](docs/compare-routers.md#results))"),
@@ -261,6 +345,8 @@ def render() -> str:
     ]
     for f in FIGURES:
         data = _load(f.file)
+        if not f.when(data):
+            continue
         lines.append(f"| {f.what} | {f.value(data)} | {f.against(data)} | "
                      f"[{f.file}](docs/results/{f.file}) | {f.command} |")
     return "\n".join([BEGIN, *lines, END])
