@@ -151,7 +151,9 @@ def run_at_load(args: argparse.Namespace) -> int:
             slice_ = prepare(requests, setup)
             sim = simulate_side(slice_, setup)
             live = live_side(slice_, setup, log_root / trace / profile)
-            result = compare(sim, live, setup.worker_names(), tol, spread=simulate_spread(slice_, setup))
+            # a short slice's p99 is its slowest request or two: compare p90 there (Tolerances' rule)
+            tol_here = tol if len(slice_) >= 200 else replace(tol, tail_quantile=90.0)
+            result = compare(sim, live, setup.worker_names(), tol_here, spread=simulate_spread(slice_, setup))
             result["source"] = source
             result["ideal_load"] = ideal_load(slice_, at.capacity_tokens_per_s)
             all_ok &= bool(result["ok"])
