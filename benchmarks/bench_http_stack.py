@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import tree_cpu_seconds
 from wrk_output import parse_wrk
 
 from tokenspeed_router.endpoints import free_tcp_port
@@ -306,30 +307,6 @@ def __getattr__(name: str) -> Any:  # granian imports its target by name in the 
 # --------------------------------------------------------------------------- orchestration
 
 
-def _tree_cpu_s(pid: int) -> float:
-    """CPU seconds of ``pid`` and its descendants (granian runs its worker as a child)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(entry)] = int(fields[1])
-        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        p = frontier.pop()
-        for child, parent in parents.items():
-            if parent == p and child not in tree:
-                tree.add(child)
-                frontier.append(child)
-    return sum(cpu.get(p, 0.0) for p in tree)
-
-
 def _wait_port(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -416,9 +393,9 @@ def main() -> int:
                 _wrk(ports[name][0], args.conns, 1)  # warm
             for _ in range(args.repeats):
                 for name, (port, pid) in ports.items():
-                    c0 = _tree_cpu_s(pid)
+                    c0 = tree_cpu_seconds(pid)
                     out = _wrk(port, args.conns, args.duration_s)
-                    out["cpu_us_per_request"] = (_tree_cpu_s(pid) - c0) / max(1, out["requests"]) * 1e6
+                    out["cpu_us_per_request"] = (tree_cpu_seconds(pid) - c0) / max(1, out["requests"]) * 1e6
                     out["req_per_s"] = out["requests"] / args.duration_s
                     results.setdefault(name, []).append(out)
         finally:

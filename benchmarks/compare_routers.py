@@ -1,6 +1,7 @@
 """Our gateway against real routers, in front of the same engine-sims (issues 12, 20, 26).
 
-Run: ``.venv/bin/python benchmarks/compare_routers.py [--quick] [--runs 3] [--out DIR]``
+Run: ``.venv/bin/python benchmarks/compare_routers.py [--quick] [--runs 3] [--out DIR]
+[--load 0.35] [--light] [--engines N] [--decision-logs DIR]``
 (peers: ``make peers`` installs the pinned vllm-router and sglang-router into
 ``.venv-peers``, never the project's venv; ``--peers-venv`` points elsewhere;
 a router whose binary is missing is skipped with a note). See
@@ -28,6 +29,32 @@ The protocol (issue 26, "an honest protocol"):
   ``--control-margin`` (1 point) of hit ratio against the peer's median, or
   the peer's cell is **void** (its index did not work there) and backs no
   target.
+
+At real load (issue 31, "win the tail where queues form"; the default):
+
+* the fleet is ``HEADLINE`` (``FleetShape``): 8 engines, full-size prompts
+  (prompt scale 1), 150k-token LRU caches, the trace's own output lengths,
+  decode time per token and per-prefill overhead divided by the engine
+  speed like the prefill time; ``--light`` runs ``LIGHT``, the old grid
+  (4 engines, prompts shrunk 8x, 12.5k-token caches, outputs capped at 64,
+  the traces at their own rates unless ``--load`` is given);
+* every trace is replayed at ``--load`` (default 0.35) of the fleet's prefill
+  capacity (engines x prefill rate): its prefill demand with ideal reuse
+  (``sim.traces.ideal_load``) is that fraction. Shapes are generated at that
+  load (``trace --load --capacity-tokens-per-s``, per engine speed), Mooncake
+  slices and ``.jsonl`` files are paced to it; ``--load 0`` takes them as
+  they are. Each cell reports the ideal load of the trace actually replayed;
+* our ``round_robin`` runs in every cell as the **witness**: a cell counts
+  only where queues form, i.e. round robin's TTFT p99 >= ``QUEUE_RATIO`` (5)
+  x its p50 (``queue_check``); a cell that fails is ``light``: void, its
+  targets are not counted;
+* every run records CPU by role (router, engines, client: seconds over the
+  replay, ``harness.tree_cpu_seconds``), ``cpu_cores_used``,
+  ``router_cpu_ms_per_request`` and ``max_send_lateness_s``; a run whose
+  client sent a request more than ``LATE_SEND_S`` (0.5 s) late is flagged
+  ``late`` (not a real-time run);
+* ``--decision-logs DIR``: our gateway writes its decision log there (off by
+  default: at 12k-token prompts it costs latency).
 
 Traces (``--traces``): ``conversation`` and ``synthetic`` are slices of the
 Mooncake files (whole prefix groups, ``TRACES``); any other name is a
@@ -64,6 +91,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from harness import tree_cpu_seconds
+
 from tokenspeed_router.endpoints import free_tcp_port
 from tokenspeed_router.loadgen.client import RequestRecord
 from tokenspeed_router.loadgen.fleet import (
@@ -88,10 +117,12 @@ from tokenspeed_router.router.router import RouterConfig
 from tokenspeed_router.sim.runner import ProgressBar
 from tokenspeed_router.sim.traces import (
     TraceRequest,
+    ideal_load,
     load_mooncake,
     sample_prefix_groups,
     trace_summary,
 )
+from tokenspeed_router.timing import TimingModel
 
 logger = logging.getLogger("compare_routers")
 
@@ -102,7 +133,14 @@ PROFILES = ("fifo", "chunked")
 ENGINE_SPEEDS = (0.25, 1.0, 4.0)
 #: the metrics a cell summarises over its runs (median, min, max)
 CELL_METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "e2e_p99_s", "hit_ratio", "spread_max_over_mean",
-                "router_added_p50_s", "router_added_p99_s", "errors")
+                "router_added_p50_s", "router_added_p99_s", "errors", "router_cpu_s", "engines_cpu_s",
+                "client_cpu_s", "cpu_cores_used", "router_cpu_ms_per_request", "max_send_lateness_s")
+#: the witness's rule (issue 31): a cell counts only if round robin's TTFT p99 >= this x its p50
+QUEUE_RATIO = 5.0
+#: the prefill demand with ideal reuse, as a fraction of the fleet's capacity, of the headline cells
+DEFAULT_LOAD = 0.35
+#: a run whose load generator sent a request later than this against the trace clock is flagged ``late``
+LATE_SEND_S = 0.5
 NUM_ENGINES = 4
 PROMPT_SCALE = 0.125
 MAX_OUTPUT_TOKENS = 64
@@ -115,6 +153,49 @@ ENGINE_CAPACITY_TOKENS = 12_500
 CONTROL_MARGIN = 0.01
 SHAPE_REQUESTS = 1000
 SHAPE_SEED = 1
+HEADLINE_TRACES = ("agentic", "chat", "docqa")
+
+
+@dataclass(frozen=True)
+class FleetShape:
+    """The engines a cell runs on, and the prompts they see.
+
+    ``prompt_scale`` shrinks every prompt (and so every cache hit) by that
+    factor (``scale_prompts``); ``cache_tokens`` is each engine's LRU cache in
+    the engines' (scaled) tokens; ``max_output_tokens`` None keeps each
+    request's own output length. ``speed_scales_timing``: an engine at
+    ``engine_speed`` x the router's prior also decodes and pays its
+    per-prefill overhead ``engine_speed`` times faster (20 ms / speed per
+    token, the profile's overhead / speed); otherwise only its prefill rate
+    moves (the light grid, as issue 26 ran it).
+    """
+
+    name: str
+    engines: int
+    prompt_scale: float
+    cache_tokens: int
+    max_output_tokens: int | None
+    speed_scales_timing: bool
+
+    def engine_tokens_per_s(self, engine_speed: float) -> float:
+        """One engine's prefill rate, in the engines' (scaled) tokens per modelled second."""
+        return engine_speed * RouterConfig.prefill_tokens_per_s
+
+    def capacity_tokens_per_s(self, engine_speed: float, time_scale: float = 1.0) -> float:
+        """The fleet's prefill capacity per wall second, in the engines' (scaled) tokens."""
+        return self.engines * self.engine_tokens_per_s(engine_speed) * time_scale
+
+    def trace_capacity_tokens_per_s(self, engine_speed: float) -> float:
+        """The same capacity in full-size trace tokens (what ``trace --capacity-tokens-per-s`` takes)."""
+        return self.capacity_tokens_per_s(engine_speed) / self.prompt_scale
+
+
+#: issue 31's headline fleet: 8 engines, full-size prompts, 150k-token caches, the trace's own outputs
+HEADLINE = FleetShape("headline", engines=8, prompt_scale=1.0, cache_tokens=150_000, max_output_tokens=None,
+                      speed_scales_timing=True)
+#: issue 26's grid, kept as extra rows (``--light``): 4 engines, prompts and caches shrunk 8x, outputs <= 64
+LIGHT = FleetShape("light", engines=NUM_ENGINES, prompt_scale=PROMPT_SCALE, cache_tokens=ENGINE_CAPACITY_TOKENS,
+                   max_output_tokens=MAX_OUTPUT_TOKENS, speed_scales_timing=False)
 
 
 @dataclass(frozen=True)
@@ -152,37 +233,65 @@ def _shared_traces() -> Path:
 
 def load_trace(spec: str, *, groups: int | None = None, shape_requests: int = SHAPE_REQUESTS,
                shape_seed: int = SHAPE_SEED, python: str = sys.executable,
-               work_dir: Path | None = None) -> tuple[list[TraceRequest], dict[str, Any]]:
-    """A trace named by ``spec``, prompts shrunk by ``PROMPT_SCALE``, at its base arrival rate; and
-    where it came from.
+               work_dir: Path | None = None, prompt_scale: float = PROMPT_SCALE, load: float = 0.0,
+               capacity_tokens_per_s: float | None = None) -> tuple[list[TraceRequest], dict[str, Any]]:
+    """A trace named by ``spec``, prompts shrunk by ``prompt_scale``, at its base arrival rate or at
+    ``load``; and where it came from.
 
     ``conversation``/``synthetic``: the Mooncake slice (``TRACES``, sped up by its
     ``speedup``); a path to a ``.jsonl``: that Mooncake-format file as is; any other
     name: the workload shape of that name, written by the ``trace`` command with
     ``shape_seed`` (a named seed, recorded) and ``shape_requests`` requests, at the
     shape's own rate. "Base rate" means for engines of ``BASE_ENGINE_TOKENS_PER_S``.
+
+    ``load`` > 0 (with ``capacity_tokens_per_s``, in full-size trace tokens): the trace's
+    prefill demand with ideal reuse is that fraction of the capacity (``ideal_load``): a
+    shape is written by ``trace --load --capacity-tokens-per-s`` (its rate found, its
+    think times kept), a slice or file is paced to it (load is exactly inverse to time).
     """
+    if load > 0 and not capacity_tokens_per_s:
+        raise SystemExit("load_trace: a load needs the capacity it is a fraction of")
     if spec in TRACES:
         cut = TRACES[spec]
         full = load_mooncake(_shared_traces() / cut.file)
         requests = sample_prefix_groups(full, prefix_blocks=cut.prefix_blocks, groups=groups or cut.groups,
                                         seed=cut.seed, speedup=cut.speedup)
-        return scale_prompts(requests, PROMPT_SCALE), {"kind": "mooncake", **asdict(cut),
-                                                       "groups": groups or cut.groups}
+        source: dict[str, Any] = {"kind": "mooncake", **asdict(cut), "groups": groups or cut.groups}
+        return _paced_to(requests, source, prompt_scale, load, capacity_tokens_per_s)
     path = Path(spec)
     if spec.endswith(".jsonl") and path.is_file():
-        return scale_prompts(load_mooncake(path), PROMPT_SCALE), {"kind": "file", "path": str(path)}
+        return _paced_to(load_mooncake(path), {"kind": "file", "path": str(path)}, prompt_scale, load,
+                         capacity_tokens_per_s)
     out_dir = work_dir or Path(tempfile.mkdtemp(prefix="compare-traces-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / f"{spec}-seed{shape_seed}-{shape_requests}.jsonl"
+    at = f"-load{load:g}-cap{capacity_tokens_per_s:g}" if load > 0 else ""
+    target = out_dir / f"{spec}-seed{shape_seed}-{shape_requests}{at}.jsonl"
     cmd = [python, "-m", "tokenspeed_router.cli", "trace", "--shape", spec, "--seed", str(shape_seed),
            "--requests", str(shape_requests), "--out", str(target)]
+    if load > 0:
+        cmd += ["--load", f"{load:g}", "--capacity-tokens-per-s", f"{capacity_tokens_per_s:g}"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0 or not target.is_file():
         raise SystemExit(f"--traces {spec}: not a Mooncake slice ({', '.join(TRACES)}), not a .jsonl file, and "
                          f"`{' '.join(cmd[1:])}` failed (exit {done.returncode}):\n{done.stderr[-1500:]}")
-    return scale_prompts(load_mooncake(target), PROMPT_SCALE), {
-        "kind": "shape", "shape": spec, "seed": shape_seed, "requests": shape_requests, "file": str(target)}
+    source = {"kind": "shape", "shape": spec, "seed": shape_seed, "requests": shape_requests, "file": str(target)}
+    if load > 0:
+        source.update(load=load, capacity_tokens_per_s=capacity_tokens_per_s, trace_line=done.stderr.strip())
+    return scale_prompts(load_mooncake(target), prompt_scale), source
+
+
+def _paced_to(requests: list[TraceRequest], source: dict[str, Any], prompt_scale: float, load: float,
+              capacity_tokens_per_s: float | None) -> tuple[list[TraceRequest], dict[str, Any]]:
+    """``requests`` paced so that their ideal load is ``load`` (as they are for 0), prompts scaled."""
+    if load > 0:
+        assert capacity_tokens_per_s
+        reached = ideal_load(requests, capacity_tokens_per_s)
+        if reached <= 0:
+            raise SystemExit(f"{source}: no prefill demand to pace to load {load:g} (one request, or no span)")
+        requests = pace(requests, load / reached)
+        source = {**source, "load": load, "capacity_tokens_per_s": capacity_tokens_per_s,
+                  "paced_by": load / reached}
+    return scale_prompts(requests, prompt_scale), source
 
 
 def pace(requests: Sequence[TraceRequest], factor: float) -> list[TraceRequest]:
@@ -212,6 +321,8 @@ class RunContext:
     peers_venv: Path | None = None
     #: the peer's control run: its index cut off (PeerRouter.index_off)
     index_off: bool = False
+    #: our gateway writes its decision log to this file (``--decision-logs``; None: no log)
+    decision_log: Path | None = None
 
 
 #: (context, engines) -> the router's base URL once it serves
@@ -239,6 +350,8 @@ def _ours(policy: str, processes: int = 1) -> Launcher:
             extra += ["--processes", str(processes)]
         for option in ctx.router_options:
             extra += ["--router-option", option]
+        if ctx.decision_log is not None:
+            extra += ["--decision-log", str(ctx.decision_log)]
         return ctx.fleet.start_gateway(f"tokenspeed-{policy}-{ctx.replica}", engines, policy=policy,
                                        extra=extra)
     return start
@@ -301,13 +414,30 @@ def _redis(fleet: Fleet) -> str:
         pause.wait(0.05)
 
 
-def engine_options(time_scale: float, timing: str, engine_speed: float = 0.25) -> EngineSimOptions:
-    """The engines of a cell: 12.5k-token caches (100k full-size), prefill at ``engine_speed`` x the
-    router's default prior (0.25: 2.5k tokens/s, 20k full-size), the profile's own overhead
-    (fifo: 20 ms, the prior's), decode 20 ms/token."""
-    return EngineSimOptions(capacity_tokens=ENGINE_CAPACITY_TOKENS,
-                            prefill_tokens_per_s=engine_speed * RouterConfig.prefill_tokens_per_s,
-                            decode_s_per_token=0.02, time_scale=time_scale, model=MODEL, timing=timing)
+def engine_options(time_scale: float, timing: str, engine_speed: float = 0.25,
+                   fleet: FleetShape = LIGHT) -> EngineSimOptions:
+    """The engines of a cell: ``fleet.cache_tokens`` caches, prefill at ``engine_speed`` x the
+    router's default prior (0.25: 2.5k tokens/s), decode 20 ms/token and the profile's own
+    overhead (fifo: 20 ms, the prior's); in a fleet whose ``speed_scales_timing``, decode and
+    overhead divided by ``engine_speed`` too (a faster engine is faster at everything)."""
+    decode_s, overhead_ms = 0.02, None
+    if fleet.speed_scales_timing:
+        decode_s = 0.02 / engine_speed
+        overhead_ms = TimingModel(profile=timing).overhead_s * 1000.0 / engine_speed  # type: ignore[arg-type]
+    return EngineSimOptions(capacity_tokens=fleet.cache_tokens,
+                            prefill_tokens_per_s=fleet.engine_tokens_per_s(engine_speed),
+                            decode_s_per_token=decode_s, time_scale=time_scale, model=MODEL, timing=timing,
+                            prefill_overhead_ms=overhead_ms)
+
+
+def _cpu_by_role(fleet: Fleet, engine_names: set[str]) -> dict[str, float]:
+    """CPU seconds so far of the fleet's processes by role: router (every router process and its
+    children), engines, other (redis)."""
+    out = {"router": 0.0, "engines": 0.0, "other": 0.0}
+    for proc in fleet.processes:
+        role = "engines" if proc.name in engine_names else "other" if proc.name == "redis" else "router"
+        out[role] += tree_cpu_seconds(proc.proc.pid)
+    return out
 
 
 def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *, time_scale: float,
@@ -317,6 +447,7 @@ def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *
             placement: Sequence[str | None] | None = None, engine_speed: float = 0.25,
             peers_venv: Path | None = None, index_off: bool = False,
             on_ready: Callable[[Sequence[str]], None] | None = None,
+            fleet_shape: FleetShape = LIGHT, decision_log: Path | None = None,
             ) -> tuple[dict[str, Any], list[RequestRecord]]:
     """One run of one router on a fresh fleet: its summary (and ``inspect(urls)`` before it stops).
 
@@ -326,26 +457,35 @@ def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *
     ``index_off``: a peer's control run (see the module docstring).
     ``on_ready(urls)`` is called once the router serves, after the warm-up,
     right before the replay (e.g. to attach a profiler).
+    ``fleet_shape``: the engines (``HEADLINE``, ``LIGHT``); ``decision_log``: our
+    gateway's decision log file. The summary adds CPU by role over the replay
+    (``router_cpu_s``, ``engines_cpu_s``, ``client_cpu_s``: this process, which
+    runs the load generator; ``other_cpu_s``: redis), ``cpu_cores_used``,
+    ``router_cpu_ms_per_request``, ``max_send_lateness_s`` and ``late``.
     """
-    engine = engine_options(time_scale, timing, engine_speed)
-    opts = [engine] * NUM_ENGINES
+    num_engines = fleet_shape.engines
+    engine = engine_options(time_scale, timing, engine_speed, fleet_shape)
+    opts = [engine] * num_engines
     if scenario == "restart":
-        after = max(1, len(requests) // (3 * NUM_ENGINES))
+        after = max(1, len(requests) // (3 * num_engines))
         opts[1] = replace(engine, restart_after_requests=after)
         opts[2] = replace(engine, restart_after_requests=2 * after)
     with Fleet(log_dir, python=python) as fleet:
-        engines = fleet.start_engines([f"engine{i}" for i in range(NUM_ENGINES)], opts)
+        engines = fleet.start_engines([f"engine{i}" for i in range(num_engines)], opts)
         ours = ("tokenspeed", "round_robin", "tokenspeed-p2")
         redis = _redis(fleet) if scenario == "replicas" and kind.name in ours else None
         replicas = 2 if scenario == "replicas" else 1
         if kind.direct:
             urls = [e.url for e in engines]
         else:
+            logs = [None if decision_log is None else decision_log.with_name(f"{decision_log.stem}-{i}.jsonl")
+                    for i in range(replicas)] if replicas > 1 else [decision_log]
             urls = [kind.start(RunContext(fleet=fleet, replica=i, redis=redis, router_options=tuple(router_options),
-                                          peers_venv=peers_venv, index_off=index_off), engines)
+                                          peers_venv=peers_venv, index_off=index_off, decision_log=logs[i]),
+                               engines)
                     for i in range(replicas)]
         builder = PromptBuilder(PromptConfig(model=MODEL, prompt_format=kind.prompt_format,
-                                             max_output_tokens=MAX_OUTPUT_TOKENS))
+                                             max_output_tokens=fleet_shape.max_output_tokens))
         pinned: tuple[int, ...] = ()
         if kind.direct and placement is not None:
             names = [e.name for e in engines]
@@ -353,14 +493,23 @@ def run_one(kind: RouterKind, scenario: str, requests: Sequence[TraceRequest], *
         target = ReplayConfig(target=urls[0], extra_targets=tuple(urls[1:]), pinned=pinned)
         # the same few short requests before every router's run: first-request costs (lazy
         # imports, first tensor ops, connection pools) are not what is compared
-        warm_up(target, MODEL, requests=2 * NUM_ENGINES, text=kind.prompt_format == "text")
+        warm_up(target, MODEL, requests=2 * num_engines, text=kind.prompt_format == "text")
         if on_ready is not None:
             on_ready(urls)
+        engine_names = {e.name for e in engines}
+        cpu0, client0 = _cpu_by_role(fleet, engine_names), time.process_time()
         progress.start(label or f"{kind.name}/{scenario}")
         outcome = replay(requests, builder, target, progress=progress)
+        cpu1, client1 = _cpu_by_role(fleet, engine_names), time.process_time()
         extra = inspect(urls) if inspect is not None else None
     summary = summarize(outcome.records, wall_s=outcome.wall_s, workers=[e.name for e in engines])
+    cpu = {f"{role}_cpu_s": cpu1[role] - cpu0[role] for role in cpu0}
+    cpu["client_cpu_s"] = client1 - client0
+    summary.update(cpu)
+    summary["cpu_cores_used"] = sum(cpu.values()) / outcome.wall_s if outcome.wall_s > 0 else None
+    summary["router_cpu_ms_per_request"] = cpu["router_cpu_s"] * 1000.0 / max(1, len(requests))
     summary["max_send_lateness_s"] = outcome.max_send_lateness_s
+    summary["late"] = outcome.max_send_lateness_s > LATE_SEND_S
     if extra is not None:
         summary["inspected"] = extra
     return summary, outcome.records
@@ -386,6 +535,30 @@ def control_verdict(cell: dict[str, Any], control: dict[str, Any], margin: float
     return {"hit_ratio": dead, "ttft_p50_s": control.get("ttft_p50_s"), "ttft_p99_s": control.get("ttft_p99_s"),
             "spread_max_over_mean": control.get("spread_max_over_mean"), "errors": control.get("errors"),
             "margin": margin, "index_proven": proven}
+
+
+def queue_check(cells: dict[str, dict[str, Any]], ratio: float = QUEUE_RATIO) -> dict[str, Any] | None:
+    """Did queues form in this cell? Round robin's median TTFT p99 >= ``ratio`` x its median p50.
+
+    Round robin ignores caches and load, so where no queue forms even it has
+    a flat TTFT and no routing policy can lose: such a cell is ``light`` (void)
+    and counts for nothing (issue 31). None: round robin did not run (no witness).
+    """
+    rr = cells.get("round_robin")
+    if rr is None:
+        return None
+    p50, p99 = rr["ttft_p50_s"]["median"], rr["ttft_p99_s"]["median"]
+    measured = p50 is not None and p99 is not None and p50 > 0
+    return {"witness": "round_robin", "ttft_p50_s": p50, "ttft_p99_s": p99,
+            "p99_over_p50": p99 / p50 if measured else None, "required": ratio,
+            "ok": bool(measured and p99 >= ratio * p50)}
+
+
+def cell_status(check: dict[str, Any] | None) -> str:
+    """``counted`` (queues formed), ``light`` (they did not: void) or ``unwitnessed`` (no round robin)."""
+    if check is None:
+        return "unwitnessed"
+    return "counted" if check["ok"] else "light"
 
 
 def check_targets(cells: dict[str, dict[str, Any]], void: Sequence[str] = ()) -> dict[str, Any]:
@@ -433,34 +606,55 @@ def _fmt_range(cell: dict[str, Any], key: str, fmt: str, scale: float = 1.0) -> 
 
 
 def cell_label(cell: dict[str, Any]) -> str:
-    return (f"{cell['trace']} | {cell['scenario']} | {cell['timing']} | {cell['engine_speed']:g}x "
-            f"| {cell['time_scale']:g}")
+    load = cell.get("ideal_load")
+    return (f"{cell['trace']} | {cell.get('fleet', 'light')} | {'-' if load is None else format(load, '.0%')} "
+            f"| {cell['scenario']} | {cell['timing']} | {cell['engine_speed']:g}x | {cell['time_scale']:g}")
+
+
+def queue_note(cell: dict[str, Any]) -> str:
+    """The witness's verdict on a cell, one line."""
+    check = cell.get("queue_check")
+    if check is None:
+        return "no witness (round robin did not run): unwitnessed"
+    ratio = check["p99_over_p50"]
+    shown = "-" if ratio is None else f"{ratio:.1f}"
+    if check["ok"]:
+        return f"queue check: round robin TTFT p99/p50 = {shown} >= {check['required']:g}: counted"
+    return f"queue check: round robin TTFT p99/p50 = {shown} < {check['required']:g}: LIGHT (void, not counted)"
 
 
 def markdown_table(cells: Sequence[dict[str, Any]]) -> str:
     """One markdown row per cell and router: medians, min-max in brackets (docs/compare-routers.md)."""
-    lines = ["| trace | scenario | engine | speed (x prior) | time scale | router | TTFT p50 (s) | TTFT p99 (s) "
-             "| hit | spread | router-added p99 (ms) | errors |",
-             "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| trace | fleet | ideal load | scenario | engine | speed (x prior) | time scale | router | TTFT p50 (s) "
+             "| TTFT p99 (s) | hit | spread | router-added p99 (ms) | router CPU (ms/req) | cores | errors |",
+             "|---|---|---:|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for cell in cells:
         head = f"| {cell_label(cell)} "
         for router, doc in cell["routers"].items():
             name = router + (" **(void)**" if router in cell.get("void", ()) else "")
+            if any(run.get("late") for run in doc.get("each_run", ())):
+                name += " (late client)"
             lines.append(
                 f"{head}| {name} | {_fmt_range(doc, 'ttft_p50_s', '.3f')} | {_fmt_range(doc, 'ttft_p99_s', '.3f')} "
                 f"| {_fmt_range(doc, 'hit_ratio', '.1%')} | {_fmt_range(doc, 'spread_max_over_mean', '.2f')} "
-                f"| {_fmt_range(doc, 'router_added_p99_s', '.0f', 1000.0)} | {_fmt_range(doc, 'errors', '.0f')} |")
+                f"| {_fmt_range(doc, 'router_added_p99_s', '.0f', 1000.0)} "
+                f"| {_fmt_range(doc, 'router_cpu_ms_per_request', '.2f')} "
+                f"| {_fmt_range(doc, 'cpu_cores_used', '.2f')} | {_fmt_range(doc, 'errors', '.0f')} |")
         for router, ctl in cell.get("controls", {}).items():
             hit = "-" if ctl["hit_ratio"] is None else f"{ctl['hit_ratio']:.1%}"
             p50 = "-" if ctl["ttft_p50_s"] is None else f"{ctl['ttft_p50_s']:.3f}"
             p99 = "-" if ctl["ttft_p99_s"] is None else f"{ctl['ttft_p99_s']:.3f}"
             verdict = "index proven" if ctl["index_proven"] else "**did not lose hit: void**"
-            lines.append(f"{head}| {router}, index off (control: {verdict}) | {p50} | {p99} | {hit} | | | |")
+            lines.append(f"{head}| {router}, index off (control: {verdict}) | {p50} | {p99} | {hit} | | | | | |")
+        if cell.get("status") == "light":
+            lines.append(f"{head}| **light: {queue_note(cell)}** | | | | | | | | |")
+        elif cell.get("status") == "counted":
+            lines.append(f"{head}| *{queue_note(cell)}* | | | | | | | | |")
         met = cell.get("targets_met")
         if met:
             yn = {k: "yes" if v else "no" for k, v in met.items() if k != "against"}
             lines.append(f"{head}| *targets met vs {', '.join(met['against'])}* | {yn['ttft_p50']} "
-                         f"| {yn['ttft_p99']} | {yn['hit']} | {yn['spread']} | | |")
+                         f"| {yn['ttft_p99']} | {yn['hit']} | {yn['spread']} | | | | |")
     return "\n".join(lines)
 
 
@@ -471,9 +665,22 @@ def _floats(text: str) -> list[float]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/compare_routers"))
-    parser.add_argument("--traces", default=",".join(TRACES),
+    parser.add_argument("--traces", default=None,
                         help="comma-separated: Mooncake slices (" + ",".join(TRACES) + "), workload shape names "
-                             "(tokenspeed-router trace --shape), or .jsonl Mooncake-format files")
+                             "(tokenspeed-router trace --shape), or .jsonl Mooncake-format files (default: "
+                             + ",".join(HEADLINE_TRACES) + "; with --light " + ",".join(TRACES) + ")")
+    parser.add_argument("--load", type=float, default=None, metavar="F",
+                        help=f"replay every trace at this prefill demand with ideal reuse, as a fraction of the "
+                             f"fleet's prefill capacity (default {DEFAULT_LOAD:g}; with --light 0); 0: the traces "
+                             "as they are")
+    parser.add_argument("--light", action="store_true",
+                        help="the old grid (issue 26): 4 engines, prompts shrunk 8x, 12.5k-token caches, outputs "
+                             "<= 64, traces at their own rates unless --load")
+    parser.add_argument("--engines", type=int, default=None, metavar="N",
+                        help="engines in the fleet (default: 8 headline, 4 light)")
+    parser.add_argument("--decision-logs", type=Path, default=None, metavar="DIR",
+                        help="our gateway writes its decision log into DIR, one file per run (default off: it "
+                             "costs latency at 12k-token prompts)")
     parser.add_argument("--shape-seed", type=int, default=SHAPE_SEED, help="seed of generated shapes (recorded)")
     parser.add_argument("--shape-requests", type=int, default=SHAPE_REQUESTS,
                         help=f"requests per generated shape (default {SHAPE_REQUESTS})")
@@ -481,12 +688,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated of " + ",".join(SCENARIOS))
     parser.add_argument("--timing", default="fifo",
                         help="engine timing profiles, comma-separated of " + ",".join(PROFILES) + " (default fifo)")
-    parser.add_argument("--engine-speeds", type=_floats, default=list(ENGINE_SPEEDS),
+    parser.add_argument("--engine-speeds", type=_floats, default=None,
                         help="engine prefill rates in multiples of the router's default prior "
-                             f"({RouterConfig.prefill_tokens_per_s:g} tokens/s); default 0.25,1,4")
+                             f"({RouterConfig.prefill_tokens_per_s:g} tokens/s); default 1 (--light: 0.25,1,4)")
     parser.add_argument("--runs", type=int, default=3, help="runs per cell (median and min-max; default 3)")
     parser.add_argument("--routers", default="tokenspeed,vllm-router,sglang-router")
-    parser.add_argument("--baseline", action="store_true", help="also our round_robin")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also our round_robin (always at a load: it is every cell's witness)")
     parser.add_argument("--no-controls", action="store_true",
                         help="skip the peers' index-off control runs (their cells are then unproven)")
     parser.add_argument("--control-margin", type=float, default=CONTROL_MARGIN,
@@ -509,13 +717,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     exit_on_sigterm()
+    fleet_shape = LIGHT if args.light else HEADLINE
+    if args.engines is not None:
+        if args.engines < 1:
+            parser.error(f"--engines must be >= 1, got {args.engines}")
+        fleet_shape = replace(fleet_shape, engines=args.engines)
+    load = args.load if args.load is not None else (0.0 if args.light else DEFAULT_LOAD)
+    if not 0 <= load < float("inf"):
+        parser.error(f"--load must be a finite number >= 0, got {args.load}")
+    traces = args.traces or ",".join(TRACES if args.light else HEADLINE_TRACES)
     groups = 12 if args.quick else args.groups
     shape_requests = 200 if args.quick else args.shape_requests
     runs = 1 if args.quick else max(1, args.runs)
     scenarios = ["pressure"] if args.quick else [s for s in args.scenarios.split(",") if s]
     profiles = ["fifo"] if args.quick else [p for p in args.timing.split(",") if p]
-    speeds = [1.0] if args.quick else args.engine_speeds
+    speeds = [1.0] if args.quick else (args.engine_speeds or (list(ENGINE_SPEEDS) if args.light else [1.0]))
     names = [r for r in args.routers.split(",") if r] + (["round_robin"] if args.baseline else [])
+    if load > 0 and "round_robin" not in names:
+        names.append("round_robin")  # the witness: a cell counts only where round robin queues
+    if args.decision_logs is not None:
+        args.decision_logs.mkdir(parents=True, exist_ok=True)
     kinds = []
     for name in names:
         kind = ROUTERS[name]
@@ -526,41 +747,67 @@ def main(argv: Sequence[str] | None = None) -> int:
             kinds.append(kind)
     out: dict[str, Any] = {
         "config": {"groups": groups, "time_scales": args.time_scale, "runs": runs, "engine_speeds": speeds,
-                   "router_options": args.router_option, "profiles": profiles, "engines": NUM_ENGINES,
-                   "prompt_scale": PROMPT_SCALE, "max_output_tokens": MAX_OUTPUT_TOKENS,
+                   "router_options": args.router_option, "profiles": profiles, "engines": fleet_shape.engines,
+                   "fleet": asdict(fleet_shape), "load": load, "queue_ratio": QUEUE_RATIO,
+                   "late_send_s": LATE_SEND_S, "decision_logs": None if args.decision_logs is None
+                   else str(args.decision_logs),
+                   "capacity_tokens_per_s": {f"{v:g}": fleet_shape.capacity_tokens_per_s(v) for v in speeds},
+                   "prompt_scale": fleet_shape.prompt_scale, "max_output_tokens": fleet_shape.max_output_tokens,
                    "router_prior_tokens_per_s": RouterConfig.prefill_tokens_per_s,
                    "control_margin": args.control_margin, "controls": not args.no_controls,
                    "peers": {k.name: PEER_BINARIES[k.name][1] for k in kinds if k.peer},
-                   "engine": f"capacity {ENGINE_CAPACITY_TOKENS} tokens (x8 full-size), prefill engine_speed x "
-                             f"{RouterConfig.prefill_tokens_per_s:g} tok/s, profile's overhead, "
-                             "decode 20 ms/token, block 16"},
+                   "engine": f"cache {fleet_shape.cache_tokens} tokens (prompt scale {fleet_shape.prompt_scale:g}), "
+                             f"prefill engine_speed x {RouterConfig.prefill_tokens_per_s:g} tok/s, "
+                             + ("decode 20 ms/token and the profile's overhead divided by engine_speed"
+                                if fleet_shape.speed_scales_timing else "profile's overhead, decode 20 ms/token")
+                             + ", block 16"},
         "traces": {}, "cells": []}
     log_root = Path(tempfile.mkdtemp(prefix="compare-routers-"))
     bar = ProgressBar()
     tables = []
     started = time.monotonic()
-    for trace in [t for t in args.traces.split(",") if t]:
-        base, source = load_trace(trace, groups=groups, shape_requests=shape_requests, shape_seed=args.shape_seed,
-                                  python=args.python, work_dir=log_root / "traces")
+    for trace in [t for t in traces.split(",") if t]:
         trace_name = Path(trace).stem if trace.endswith(".jsonl") else trace
-        out["traces"][trace_name] = {"source": source, "base_stats": trace_summary(base)}
+        trace_kw: dict[str, Any] = {"groups": groups, "shape_requests": shape_requests,
+                                    "shape_seed": args.shape_seed, "python": args.python,
+                                    "work_dir": log_root / "traces", "prompt_scale": fleet_shape.prompt_scale}
+        bases: dict[float, list[TraceRequest]] = {}
+        if load > 0:  # at a load: one trace per engine speed (a shape's rate found for that capacity)
+            for speed in speeds:
+                bases[speed], source = load_trace(
+                    trace, load=load, capacity_tokens_per_s=fleet_shape.trace_capacity_tokens_per_s(speed),
+                    **trace_kw)
+                out["traces"].setdefault(trace_name, {})[f"speed{speed:g}"] = {
+                    "source": source, "base_stats": trace_summary(bases[speed])}
+        else:
+            base, source = load_trace(trace, **trace_kw)
+            bases = dict.fromkeys(speeds, base)
+            out["traces"][trace_name] = {"source": source, "base_stats": trace_summary(base)}
         for scenario in scenarios:
             for profile in profiles:
                 for speed, k in [(v, k) for k in args.time_scale for v in speeds]:
-                    requests = pace(base, arrival_factor(speed, k))
+                    # at a load (or the headline fleet): only the time scale paces; the light grid's
+                    # traces at their own rates are paced for the engine speed too (arrival_factor)
+                    factor = arrival_factor(speed, k) if load == 0 and fleet_shape is LIGHT else k
+                    requests = pace(bases[speed], factor)
+                    reached = ideal_load(requests, fleet_shape.capacity_tokens_per_s(speed, k))
                     per_run: dict[str, list[dict[str, Any]]] = {k.name: [] for k in kinds}
                     records: dict[str, list[RequestRecord]] = {}
                     where = log_root / trace_name / scenario / profile / f"speed{speed:g}-k{k:g}"
                     tag = f"{scenario}/{profile}/{speed:g}x" + ("" if k == 1 else f"/time-scale {k:g}")
                     common = {"time_scale": k, "progress": bar, "python": args.python,
                               "router_options": args.router_option, "timing": profile, "engine_speed": speed,
-                              "peers_venv": args.peers_venv}
+                              "peers_venv": args.peers_venv, "fleet_shape": fleet_shape}
+                    slug = f"{trace_name}-{scenario}-{profile}-{speed:g}x-k{k:g}"
                     # runs interleave the routers (run 1 of each, then run 2, ...): slow drift of the
                     # machine's load then spreads over every router instead of one
                     for run in range(runs):
                         for kind in kinds:
+                            log = (None if args.decision_logs is None
+                                   else args.decision_logs / f"{slug}-{kind.name}-{run}.jsonl")
                             summary, recs = run_one(kind, scenario, requests, log_dir=where / f"{kind.name}-{run}",
-                                                    label=f"{kind.name}/{tag}#{run + 1}", **common)
+                                                    label=f"{kind.name}/{tag}#{run + 1}", decision_log=log,
+                                                    **common)
                             per_run[kind.name].append(summary)
                             records[kind.name] = recs
                     cells = {name: cell_summary(rs) for name, rs in per_run.items()}
@@ -575,15 +822,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 controls[kind.name] = control_verdict(cells[kind.name], summary,
                                                                       args.control_margin)
                     void = [name for name, c in controls.items() if not c["index_proven"]]
-                    cell = {"trace": trace_name, "scenario": scenario, "timing": profile, "engine_speed": speed,
-                            "time_scale": k, "requests": len(requests),
+                    check = queue_check(cells)
+                    status = cell_status(check)
+                    late = sorted({name for name, rs in per_run.items() if any(r.get("late") for r in rs)})
+                    cell = {"trace": trace_name, "fleet": fleet_shape.name, "scenario": scenario, "timing": profile,
+                            "engine_speed": speed, "time_scale": k, "requests": len(requests),
+                            "ideal_load": reached, "load_asked": load or None,
+                            "capacity_tokens_per_s": fleet_shape.capacity_tokens_per_s(speed, k),
+                            "queue_check": check, "status": status, "late_clients": late,
                             "routers": cells, "controls": controls, "void": void,
-                            "targets_met": check_targets(cells, void)}
+                            # a light cell (no queue formed) counts for nothing: no targets
+                            "targets_met": {} if status == "light" else check_targets(cells, void)}
                     out["cells"].append(cell)
                     medians = {name: {k: c[k]["median"] for k in CELL_METRICS} for name, c in cells.items()}
                     table = format_runs_table(medians, label=f"{trace_name}/{tag} (median of {runs})")
-                    notes = [f"control {n}: hit {c['hit_ratio']} vs {cells[n]['hit_ratio']['median']} -> "
-                             + ("index proven" if c["index_proven"] else "VOID") for n, c in controls.items()]
+                    notes = [f"ideal load of the replayed trace: {reached:.1%} of "
+                             f"{cell['capacity_tokens_per_s']:.0f} tokens/s ({fleet_shape.name} fleet, "
+                             f"{fleet_shape.engines} engines)", queue_note(cell)]
+                    notes += [f"{name}: router CPU {m['router_cpu_ms_per_request'] or 0:.2f} ms/request, "
+                              f"cores used {m['cpu_cores_used'] or 0:.2f} (router {m['router_cpu_s'] or 0:.1f} s, "
+                              f"engines {m['engines_cpu_s'] or 0:.1f} s, client {m['client_cpu_s'] or 0:.1f} s), "
+                              f"max send lateness {m['max_send_lateness_s'] or 0:.3f} s"
+                              + (" LATE: not a real-time run" if name in late else "")
+                              for name, m in medians.items()]
+                    notes += [f"control {n}: hit {c['hit_ratio']} vs {cells[n]['hit_ratio']['median']} -> "
+                              + ("index proven" if c["index_proven"] else "VOID") for n, c in controls.items()]
                     if cell["targets_met"]:
                         notes.append(f"targets met: {cell['targets_met']}")
                     tables.append("\n".join([table, *notes]))
@@ -591,15 +854,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     out["wall_s"] = time.monotonic() - started
                     write_results(out, args.out)  # after every cell: a long run killed keeps what it measured
                     write_plots(records, args.out, title=f"{trace_name} / {tag} (last run)",
-                                workers=[f"engine{i}" for i in range(NUM_ENGINES)],
+                                workers=[f"engine{i}" for i in range(fleet_shape.engines)],
                                 name=f"{trace_name}-{scenario}-{profile}-{speed:g}x-k{k:g}.png")
     out["wall_s"] = time.monotonic() - started
     path = write_results(out, args.out)
     print("\n\n".join(tables))
     print("\n" + markdown_table(out["cells"]))
     print(f"\nresults: {path} (wall {out['wall_s']:.0f} s)\nlogs: {log_root}")
-    print(json.dumps([{"cell": cell_label(c), "targets_met": c["targets_met"], "void": c["void"]}
-                      for c in out["cells"]]))
+    print(json.dumps([{"cell": cell_label(c), "status": c["status"], "ideal_load": c["ideal_load"],
+                       "targets_met": c["targets_met"], "void": c["void"]} for c in out["cells"]]))
     return 0
 
 

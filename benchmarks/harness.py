@@ -1,8 +1,8 @@
 """Real processes for the reliability benchmarks (``faults.py``, ``soak.py``).
 
 Not a benchmark itself: a ``serve`` subprocess with an HTTP client, a
-``redis-server`` subprocess, resident-memory sampling from ``/proc``, and a
-deadline poll. Every wait polls with a deadline; nothing here sleeps blindly.
+``redis-server`` subprocess, resident-memory and process-tree CPU sampling
+from ``/proc``, and a deadline poll. Every wait polls with a deadline; nothing here sleeps blindly.
 """
 
 from __future__ import annotations
@@ -62,6 +62,37 @@ def rss_bytes(pid: int) -> int:
     except OSError:
         return 0
     return 0
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and its live descendants, from ``/proc``.
+
+    A process tree, because a router may run workers as children (``serve
+    --processes``, granian); children that already exited and were reaped
+    count in their parent's ``cutime``/``cstime``, which this does not read,
+    so sample while the tree is up. 0 once ``pid`` is gone. The one reader
+    of its kind (``bench_http_stack.py``, ``compare_routers.py``).
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        p = frontier.pop()
+        for child, parent in parents.items():
+            if parent == p and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    return sum(cpu.get(p, 0.0) for p in tree)
 
 
 class Serve:

@@ -21,6 +21,12 @@ noise), with the tolerances fixed before any result was seen
 * TTFT p50 +-25 %, p99 +-25 % (the issue's parity target), at least 50 ms
   modelled; the engine's own modelled TTFT on the live side.
 
+``--at-load`` (issue 31): the at-load fleet of ``loadgen.parity.AT_LOAD``
+(8 workers, full-size prompts, real time; traces ``agentic,chat,docqa``
+generated at load 0.35 of its prefill capacity, 1,000 requests each),
+judged by ``AT_LOAD_PEER_TOLERANCES``: hit within 2 points, TTFT p50 and p99
+within 20 %; per-engine request shares reported, not judged.
+
 An emulation that fails any of them on any trace is reported as failed:
 ``sim/peers/__init__.py``'s ``PEER_VALIDATION`` then labels it
 ``unvalidated`` (``simulate`` prints the label), and it backs no claim.
@@ -40,6 +46,7 @@ from compare_routers import load_trace
 
 from tokenspeed_router.loadgen.fleet import PEER_BINARIES, PeerRouter, exit_on_sigterm, peer_binary
 from tokenspeed_router.loadgen.parity import (
+    AT_LOAD,
     ParitySetup,
     Tolerances,
     compare,
@@ -50,22 +57,27 @@ from tokenspeed_router.loadgen.parity import (
     simulate_spread,
 )
 from tokenspeed_router.sim.report import write_results
-from tokenspeed_router.sim.traces import trace_summary
+from tokenspeed_router.sim.traces import ideal_load, trace_summary
 
 #: the emulation of each real peer (sim/peers)
 EMULATION = {"vllm-router": "vllm_kv_aware", "sglang-router": "sglang_cache_aware"}
 #: fixed before the first result (docs/compare-routers.md#peer-emulations)
 PEER_TOLERANCES = Tolerances(worker_share=0.05, share_sigmas=2.0, hit_points=0.04, ttft_p50=0.25, ttft_p99=0.25,
                              ttft_floor_s=0.05, tail_quantile=99.0)
+#: emulation against the real peer at load (``--at-load``): hit +-2 points, TTFT p50 and p99 +-20 %;
+#: the per-engine request shares reported, not judged
+AT_LOAD_PEER_TOLERANCES = Tolerances(hit_points=0.02, ttft_p50=0.20, ttft_p99=0.20, ttft_floor_s=0.05,
+                                     tail_quantile=99.0, reported=("requests_per_worker",))
 #: the live side's delay from an engine's event to the peer's index, in wall seconds: vllm-router's
 #: subscriber sleeps 10 ms whenever its socket is empty (src/kv_index/subscriber.rs), so ~5 ms + transport
 EVENT_LAG_WALL_S = {"vllm-router": 0.006, "sglang-router": 0.0}
 
 
-def setup_for(peer: str, binary: str, time_scale: float) -> ParitySetup:
-    """The parity cluster with ``peer`` live and its emulation simulated."""
-    return ParitySetup(timing="fifo", time_scale=time_scale, policy=EMULATION[peer],
-                       peer=PeerRouter(peer=peer, binary=binary), event_lag_wall_s=EVENT_LAG_WALL_S[peer])
+def setup_for(peer: str, binary: str, time_scale: float, *, at_load: bool = False) -> ParitySetup:
+    """The parity cluster with ``peer`` live and its emulation simulated (``at_load``: AT_LOAD's fleet)."""
+    base = replace(AT_LOAD.setup, time_scale=time_scale) if at_load else ParitySetup(time_scale=time_scale)
+    return replace(base, timing="fifo", policy=EMULATION[peer], peer=PeerRouter(peer=peer, binary=binary),
+                   event_lag_wall_s=EVENT_LAG_WALL_S[peer])
 
 
 def summary_row(peer: str, trace: str, result: dict[str, Any]) -> str:
@@ -91,20 +103,29 @@ def summary_row(peer: str, trace: str, result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", default=",".join(EMULATION), help="comma-separated of " + ",".join(EMULATION))
-    parser.add_argument("--traces", default="conversation,synthetic",
-                        help="Mooncake slices, workload shape names or .jsonl files (compare_routers.load_trace)")
+    parser.add_argument("--traces", default=None,
+                        help="Mooncake slices, workload shape names or .jsonl files (compare_routers.load_trace; "
+                             "default conversation,synthetic; --at-load " + ",".join(AT_LOAD.traces) + ")")
     parser.add_argument("--groups", type=int, default=30, help="prefix groups per Mooncake slice (default 30)")
-    parser.add_argument("--shape-requests", type=int, default=400, help="requests per generated shape")
+    parser.add_argument("--shape-requests", type=int, default=None,
+                        help=f"requests per generated shape (default 400; --at-load {AT_LOAD.requests})")
     parser.add_argument("--shape-seed", type=int, default=1)
-    parser.add_argument("--time-scale", type=float, default=4.0, help="live engines and arrivals K x faster")
+    parser.add_argument("--time-scale", type=float, default=None,
+                        help="live engines and arrivals K x faster (default 4; --at-load 1: real time)")
+    parser.add_argument("--at-load", action="store_true",
+                        help=f"the at-load fleet (loadgen.parity.AT_LOAD: {AT_LOAD.setup.num_workers} workers, "
+                             f"traces generated at load {AT_LOAD.load:g}) with AT_LOAD_PEER_TOLERANCES")
     parser.add_argument("--quick", action="store_true", help="12 groups / 120 shape requests, conversation only")
     parser.add_argument("--peers-venv", type=Path, default=None, help="default: .venv-peers (make peers)")
     parser.add_argument("--out", type=Path, default=Path("out/peer_parity"))
     args = parser.parse_args(argv)
     exit_on_sigterm()
-    traces = ["conversation"] if args.quick else [t for t in args.traces.split(",") if t]
+    at_load = args.at_load
+    time_scale = args.time_scale if args.time_scale is not None else (AT_LOAD.setup.time_scale if at_load else 4.0)
+    default_traces = ",".join(AT_LOAD.traces) if at_load else "conversation,synthetic"
+    traces = ["conversation"] if args.quick else [t for t in (args.traces or default_traces).split(",") if t]
     groups = 12 if args.quick else args.groups
-    shape_requests = 120 if args.quick else args.shape_requests
+    shape_requests = 120 if args.quick else (args.shape_requests or (AT_LOAD.requests if at_load else 400))
     log_root = Path(tempfile.mkdtemp(prefix="peer-parity-"))
     peers = []
     for peer in [p for p in args.peers.split(",") if p]:
@@ -113,9 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipping {peer}: not installed (make peers)", file=sys.stderr)
         else:
             peers.append((peer, binary))
-    tol = PEER_TOLERANCES
+    tol = AT_LOAD_PEER_TOLERANCES if at_load else PEER_TOLERANCES
     doc: dict[str, Any] = {"config": {"groups": groups, "shape_requests": shape_requests,
-                                      "shape_seed": args.shape_seed, "time_scale": args.time_scale,
+                                      "shape_seed": args.shape_seed, "time_scale": time_scale,
+                                      "at_load": {"load": AT_LOAD.load,
+                                                  "capacity_tokens_per_s": AT_LOAD.capacity_tokens_per_s,
+                                                  "prompt_scale": AT_LOAD.prompt_scale} if at_load else None,
                                       "tolerances": tol.__dict__, "event_lag_wall_s": EVENT_LAG_WALL_S,
                                       "peers": {p: PEER_BINARIES[p][1] for p, _ in peers}},
                            "results": {}}
@@ -124,22 +148,29 @@ def main(argv: list[str] | None = None) -> int:
              "|---|---|---|---|---:|---:|---:|---|"]
     all_ok = True
     for trace in traces:
+        at_kw: dict[str, Any] = {}
+        if at_load:
+            at_kw = {"prompt_scale": AT_LOAD.prompt_scale, "load": AT_LOAD.load,
+                     "capacity_tokens_per_s": AT_LOAD.capacity_tokens_per_s / AT_LOAD.prompt_scale}
         base, source = load_trace(trace, groups=groups, shape_requests=shape_requests, shape_seed=args.shape_seed,
-                                  work_dir=log_root / "traces")
+                                  work_dir=log_root / "traces", **at_kw)
         name = Path(trace).stem if trace.endswith(".jsonl") else trace
         for peer, binary in peers:
-            setup = setup_for(peer, binary, args.time_scale)
+            setup = setup_for(peer, binary, time_scale, at_load=at_load)
             slice_ = prepare(base, setup)
             # a short slice's p99 is its slowest request or two: compare p90 there (Tolerances' rule)
             tol_here = tol if len(slice_) >= 200 else replace(tol, tail_quantile=90.0)
+            capacity = setup.num_workers * setup.prefill_tokens_per_s
             sim = simulate_side(slice_, setup)
             live = live_side(slice_, setup, log_root / name / peer)
             result = compare(sim, live, setup.worker_names(), tol_here, spread=simulate_spread(slice_, setup))
             result["source"] = source
             result["tail_quantile"] = tol_here.tail_quantile
+            result["ideal_load"] = ideal_load(slice_, capacity)
             all_ok &= bool(result["ok"])
             print(f"\n{EMULATION[peer]} vs {peer} on {name}: {len(slice_)} requests, "
-                  f"{trace_summary(slice_)['span_s']:.0f} s modelled")
+                  f"{trace_summary(slice_)['span_s']:.0f} s modelled, ideal load {result['ideal_load']:.1%} of "
+                  f"{capacity:.0f} tokens/s")
             print(format_comparison(result), flush=True)
             doc["results"].setdefault(name, {})[peer] = result
             table.append(summary_row(peer, name, result))

@@ -7,6 +7,8 @@ import dataclasses
 import pytest
 
 from tokenspeed_router.loadgen.parity import (
+    AT_LOAD,
+    AT_LOAD_TOLERANCES,
     ParitySetup,
     SideResult,
     compare,
@@ -16,6 +18,7 @@ from tokenspeed_router.loadgen.parity import (
     simulate_spread,
     warm_up_requests,
 )
+from tokenspeed_router.sim.cli_trace import DEFAULT_CAPACITY_TOKENS_PER_S
 from tokenspeed_router.sim.shapes import WorkloadConfig, generate_workload
 from tokenspeed_router.sim.traces import TraceRequest
 
@@ -93,3 +96,30 @@ def test_the_spread_reports_each_request_in_the_slice_order() -> None:
     unmoved = simulate_spread(requests, dataclasses.replace(setup, spread_delay_wall_s=0.0))
     assert all(r.workers == exact.workers and r.ttft_s == exact.ttft_s for r in unmoved)
     assert simulate_spread(requests, dataclasses.replace(setup, spread_runs=0)) == []
+
+
+def test_the_at_load_fleet_is_the_headline_fleet_at_its_load() -> None:
+    """8 engines of 10k tokens/s (the ``trace --load`` default capacity), load 0.35, 1,000 requests, real time."""
+    assert AT_LOAD.setup.num_workers == 8 and AT_LOAD.setup.capacity_tokens == 150_000
+    assert AT_LOAD.capacity_tokens_per_s == DEFAULT_CAPACITY_TOKENS_PER_S == 80_000
+    assert AT_LOAD.load == 0.35 and AT_LOAD.requests >= 1000 and AT_LOAD.prompt_scale == 1.0
+    assert AT_LOAD.traces == ("agentic", "chat", "docqa") and AT_LOAD.setup.time_scale == 1.0
+    assert AT_LOAD_TOLERANCES.ttft_p99 == 0.20 and AT_LOAD_TOLERANCES.hit_points == 0.01
+
+
+def test_reported_rows_are_shown_but_not_judged() -> None:
+    """At load the per-engine shares and p50 are reported beside the verdicts on p99 and hit, not judged."""
+    sim = _side("simulate", ["w0"] * 30 + ["w1"] * 10)
+    live = dataclasses.replace(_side("live", ["w0"] * 40), ttft_s=[0.5] * 40)
+    judged = compare(sim, live, ["w0", "w1"])
+    assert not judged["rows"]["requests_per_worker"]["ok"] and not judged["ok"]
+    result = compare(sim, live, ["w0", "w1"], AT_LOAD_TOLERANCES)
+    shares = result["rows"]["requests_per_worker"]
+    assert shares["ok"] and not shares["judged"] and shares["diff"] == 0.25
+    assert shares["shares"] == {"simulate": {"w0": 0.75, "w1": 0.25}, "live": {"w0": 1.0, "w1": 0.0}}
+    assert result["rows"]["ttft_p50_s"]["ok"] and not result["rows"]["ttft_p50_s"]["judged"]
+    p99 = next(v for k, v in result["rows"].items() if k.startswith("ttft_p99"))
+    assert p99["judged"] and not p99["ok"]  # 0.5 s against 0.1 s: out of 20 %
+    assert not result["ok"]
+    text = format_comparison(result)
+    assert "(reported)" in text and "NO" in text

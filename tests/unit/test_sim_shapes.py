@@ -13,10 +13,12 @@ import pytest
 
 from tokenspeed_router import cli
 from tokenspeed_router.errors import ConfigError
+from tokenspeed_router.sim.cli_trace import DEFAULT_CAPACITY_TOKENS_PER_S
 from tokenspeed_router.sim.shapes import (
     SHAPES,
     GeneratedTrace,
     WorkloadConfig,
+    generate_at_load,
     generate_trace,
     generate_workload,
     make_shape,
@@ -26,6 +28,7 @@ from tokenspeed_router.sim.shapes._core import IdMint, Prompt, ZipfSampler
 from tokenspeed_router.sim.traces import (
     MOONCAKE_BLOCK_TOKENS,
     TraceRequest,
+    ideal_load,
     load_mooncake,
     trace_summary,
     write_mooncake,
@@ -290,3 +293,73 @@ def test_trace_summary_reports_lengths_and_block_reuse() -> None:
     assert s["output_mean"] == 20
     assert s["ideal_block_hit_ratio"] == pytest.approx(2 / 5)
     assert s["ideal_hit_ratio"] == pytest.approx(1024 / 2124)
+
+
+def test_ideal_load_is_the_uncached_tokens_per_second_over_capacity() -> None:
+    # 2124 tokens, 1024 of them already seen: 1100 to prefill over a 2 s span
+    reqs = [TraceRequest("a", 0.0, 1024, 10, (1, 2)), TraceRequest("b", 2.0, 1100, 30, (1, 2, 3))]
+    s = trace_summary(reqs)
+    assert s["ideal_prefill_tokens_per_s"] == pytest.approx((2124 - 1024) / 2.0)
+    assert s["ideal_prefill_tokens_per_s"] == pytest.approx(s["input_tokens"] * (1 - s["ideal_hit_ratio"]) / 2.0)
+    assert ideal_load(reqs, 1100.0) == pytest.approx(0.5)
+    assert ideal_load(reqs[:1], 1100.0) == 0.0  # no span
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ConfigError, match="capacity_tokens_per_s must be a finite number > 0"):
+            ideal_load(reqs, bad)
+
+
+@pytest.mark.parametrize(("name", "seed", "load"), [
+    ("agentic", 0, 0.35), ("agentic", 1, 0.7), ("chat", 0, 0.35), ("chat", 2, 0.1), ("docqa", 0, 0.35),
+    ("docqa", 3, 0.5), ("rag", 1, 0.35), ("cold", 0, 0.35), ("mixed", 0, 0.35),
+])
+def test_generate_at_load_reaches_the_load_by_the_rate_alone(name: str, seed: int, load: float) -> None:
+    shape = make_shape(name)
+    trace, found = generate_at_load(shape, seed=seed, requests=1000, load=load, capacity_tokens_per_s=80_000.0)
+    assert ideal_load(trace.requests, 80_000.0) == pytest.approx(load, rel=0.02)
+    assert len(trace.requests) == 1000
+    # only the rate moved, and the trace is that shape's trace at that rate
+    assert {f.name: getattr(found, f.name) for f in shape_parameters(shape) if f.name != shape.RATE} == \
+        {f.name: getattr(shape, f.name) for f in shape_parameters(shape) if f.name != shape.RATE}
+    assert _text(generate_trace(found, seed=seed, requests=1000)) == _text(trace)
+    # a capacity twice as large needs about twice the demand: the rate grows
+    bigger, _ = generate_at_load(shape, seed=seed, requests=1000, load=load, capacity_tokens_per_s=160_000.0)
+    assert ideal_load(bigger.requests, 160_000.0) == pytest.approx(load, rel=0.02)
+
+
+def test_generate_at_load_rejects_bad_values_and_says_when_it_cannot_get_there() -> None:
+    shape = make_shape("agentic")
+    for bad in (0.0, -0.1, math.inf, math.nan):
+        with pytest.raises(ConfigError, match="load must be a finite number > 0"):
+            generate_at_load(shape, seed=0, requests=100, load=bad, capacity_tokens_per_s=80_000.0)
+        with pytest.raises(ConfigError, match="capacity_tokens_per_s must be a finite number > 0"):
+            generate_at_load(shape, seed=0, requests=100, load=0.35, capacity_tokens_per_s=bad)
+    with pytest.raises(ConfigError, match="at least 2 requests"):
+        generate_at_load(shape, seed=0, requests=1, load=0.35, capacity_tokens_per_s=80_000.0)
+    # within nothing, in two steps: the error names the closest load and every step
+    with pytest.raises(ConfigError, match=r"no rate_per_s puts load 0.35 on 80000 tokens/s within 1e-07 % in 2 "
+                                          r"steps \(closest 0.35.*0.01/s -> 0.002, .*try another seed"):
+        generate_at_load(make_shape("cold", {"rate_per_s": "0.01"}), seed=0, requests=200, load=0.35,
+                         capacity_tokens_per_s=80_000.0, max_steps=2, tolerance=1e-9)
+
+
+def test_trace_command_at_a_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "docqa.jsonl"
+    base = ["trace", "--shape", "docqa", "--seed", "2", "--requests", "300", "--out", str(out)]
+    assert cli.main([*base, "--load", "0.35"]) == 0
+    assert ideal_load(load_mooncake(out), DEFAULT_CAPACITY_TOKENS_PER_S) == pytest.approx(0.35, rel=0.02)
+    err = capsys.readouterr().err
+    assert "ideal load 0.35" in err and "of 80000 tokens/s" in err and "at rate_per_s " in err
+    assert DEFAULT_CAPACITY_TOKENS_PER_S == 8 * 10_000
+    assert cli.main([*base, "--load", "0.5", "--capacity-tokens-per-s", "20000"]) == 0
+    assert ideal_load(load_mooncake(out), 20_000.0) == pytest.approx(0.5, rel=0.02)
+    assert "ideal load 0.5" in capsys.readouterr().err
+    assert cli.main([*base, "--load", "0.35", "--rate", "2"]) == 2
+    assert "--load sets the arrival rate (rate_per_s) itself; give --rate or --load, not both" in \
+        capsys.readouterr().err
+    assert cli.main([*base, "--load", "0.35", "--param", "rate_per_s=2"]) == 2
+    assert "give --param rate_per_s= or --load, not both" in capsys.readouterr().err
+    for bad in ("0", "-1", "inf", "nan"):
+        assert cli.main([*base, "--load", bad]) == 2
+        assert "--load must be a finite number > 0" in capsys.readouterr().err
+        assert cli.main([*base, "--load", "0.35", "--capacity-tokens-per-s", bad]) == 2
+        assert "--capacity-tokens-per-s must be a finite number > 0" in capsys.readouterr().err

@@ -5,7 +5,10 @@
 benchmarks, and prints one summary line on stderr. ``trace --list`` names the
 shapes and the sources they are grounded in; with ``--shape`` it lists that
 shape's parameters too. ``--rate`` and ``--param KEY=VALUE`` change a shape's
-arrival rate and parameters (docs/workloads.md).
+arrival rate and parameters; ``--load F`` instead finds the rate at which the
+trace's prefill demand with ideal reuse is ``F`` of ``--capacity-tokens-per-s``
+(default ``DEFAULT_CAPACITY_TOKENS_PER_S``: 8 engines x 10,000 tokens/s)
+(docs/workloads.md).
 """
 
 from __future__ import annotations
@@ -17,10 +20,20 @@ import textwrap
 from pathlib import Path
 
 from tokenspeed_router.errors import ConfigError
-from tokenspeed_router.sim.shapes import SHAPES, generate_trace, make_shape, shape_parameters
-from tokenspeed_router.sim.traces import trace_summary, write_mooncake
+from tokenspeed_router.sim.shapes import (
+    SHAPES,
+    generate_at_load,
+    generate_trace,
+    make_shape,
+    shape_parameters,
+)
+from tokenspeed_router.sim.traces import ideal_load, trace_summary, write_mooncake
 
-__all__ = ["add_arguments", "format_shape_list", "run"]
+__all__ = ["DEFAULT_CAPACITY_TOKENS_PER_S", "add_arguments", "format_shape_list", "run"]
+
+#: ``--capacity-tokens-per-s`` default: the headline fleet of docs/compare-routers.md, 8 engines that
+#: prefill 10,000 tokens/s each (full-size prompt tokens)
+DEFAULT_CAPACITY_TOKENS_PER_S = 8 * 10_000.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "requests per second otherwise (default: the shape's)")
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="set a shape parameter (repeatable), e.g. --param system_prompts=2")
+    parser.add_argument("--load", type=float, default=None, metavar="F",
+                        help="find the arrival rate at which the trace's prefill demand with ideal reuse "
+                             "(one infinite cache) is F x --capacity-tokens-per-s, e.g. 0.35 (within 2 %%); "
+                             "instead of --rate")
+    parser.add_argument("--capacity-tokens-per-s", type=float, default=DEFAULT_CAPACITY_TOKENS_PER_S,
+                        metavar="C", help="the cluster's prefill capacity that --load and the summary's "
+                                          "ideal load refer to (default 80000: 8 engines x 10,000 tokens/s)")
 
 
 def _params(items: list[str]) -> dict[str, str]:
@@ -76,8 +96,22 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("trace needs --shape NAME --requests N --out FILE (or --list)")
     if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
         raise ConfigError(f"--rate must be a finite number > 0, got {args.rate}")
-    shape = make_shape(args.shape, _params(args.param), rate_per_s=args.rate)
-    trace = generate_trace(shape, seed=args.seed, requests=args.requests)
+    capacity = args.capacity_tokens_per_s
+    if not (math.isfinite(capacity) and capacity > 0):
+        raise ConfigError(f"--capacity-tokens-per-s must be a finite number > 0, got {capacity}")
+    params = _params(args.param)
+    shape = make_shape(args.shape, params, rate_per_s=args.rate)
+    if args.load is not None:
+        if not (math.isfinite(args.load) and args.load > 0):
+            raise ConfigError(f"--load must be a finite number > 0, got {args.load}")
+        if args.rate is not None or shape.RATE in params:
+            given = "--rate" if args.rate is not None else f"--param {shape.RATE}="
+            raise ConfigError(f"--load sets the arrival rate ({shape.RATE}) itself; give {given} or --load, "
+                              "not both")
+        trace, shape = generate_at_load(shape, seed=args.seed, requests=args.requests, load=args.load,
+                                        capacity_tokens_per_s=capacity)
+    else:
+        trace = generate_trace(shape, seed=args.seed, requests=args.requests)
     if args.out == "-":
         write_mooncake(trace.requests, sys.stdout)
         where = "stdout"
@@ -91,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"trace {args.shape} seed {args.seed}: {len(trace.requests)} requests over {s['span_s']:.0f} s "
           f"({s['req_per_s']:.2f}/s), {trace.num_sessions} sessions, input mean {s['input_mean']:.0f} "
           f"p50 {s['input_p50']:.0f} p99 {s['input_p99']:.0f} tokens, output mean {s['output_mean']:.0f}, "
-          f"ideal hit {s['ideal_hit_ratio']:.1%} of tokens, {s['ideal_block_hit_ratio']:.1%} of blocks "
-          f"-> {where}", file=sys.stderr)
+          f"ideal hit {s['ideal_hit_ratio']:.1%} of tokens, {s['ideal_block_hit_ratio']:.1%} of blocks, "
+          f"ideal load {ideal_load(trace.requests, capacity):.3f} of {capacity:g} tokens/s "
+          f"({s['ideal_prefill_tokens_per_s']:.0f} tokens/s to prefill) at {shape.RATE} "
+          f"{getattr(shape, shape.RATE):.4g} -> {where}", file=sys.stderr)
     return 0

@@ -37,6 +37,7 @@ __all__ = [
     "TokenSynthesizer",
     "TraceRequest",
     "TraceWindow",
+    "ideal_load",
     "load_mooncake",
     "parse_mooncake",
     "mooncake_line",
@@ -221,13 +222,11 @@ class TokenSynthesizer:
         return np.concatenate(parts)
 
 
-def trace_summary(requests: list[TraceRequest]) -> dict[str, float]:
-    """Counts used in reports: requests, span, rate, lengths, ideal hit ratios.
+def _ideal_reuse(requests: Sequence[TraceRequest]) -> tuple[int, int, int, int]:
+    """Tokens, tokens an infinite single cache already held, blocks, blocks it held.
 
-    The ideal hit ratio (infinite single cache, trace block granularity) is
-    the ceiling no routing policy can exceed: ``ideal_hit_ratio`` weighs
-    blocks by their tokens, ``ideal_block_hit_ratio`` counts blocks (the
-    fraction of blocks some earlier request already had).
+    The one count behind ``trace_summary``'s ideal hit ratios and
+    :func:`ideal_load`: a block hits when some earlier request had its id.
     """
     seen: set[int] = set()
     total = hit = blocks = blocks_hit = 0
@@ -240,6 +239,21 @@ def trace_summary(requests: list[TraceRequest]) -> dict[str, float]:
                 hit += n
                 blocks_hit += 1
         seen.update(r.hash_ids)
+    return total, hit, blocks, blocks_hit
+
+
+def trace_summary(requests: list[TraceRequest]) -> dict[str, float]:
+    """Counts used in reports: requests, span, rate, lengths, ideal hit ratios, ideal prefill demand.
+
+    The ideal hit ratio (infinite single cache, trace block granularity) is
+    the ceiling no routing policy can exceed: ``ideal_hit_ratio`` weighs
+    blocks by their tokens, ``ideal_block_hit_ratio`` counts blocks (the
+    fraction of blocks some earlier request already had).
+    ``ideal_prefill_tokens_per_s`` is the prefill demand with that ideal
+    reuse: the tokens the ideal cache misses, per second of the trace's span
+    (0 when the span is 0); :func:`ideal_load` divides it by a capacity.
+    """
+    total, hit, blocks, blocks_hit = _ideal_reuse(requests)
     span = requests[-1].arrival_s - requests[0].arrival_s if requests else 0.0
     inputs = [r.input_length for r in requests]
     return {
@@ -253,7 +267,24 @@ def trace_summary(requests: list[TraceRequest]) -> dict[str, float]:
         "output_mean": sum(r.output_length for r in requests) / len(requests) if requests else 0.0,
         "ideal_hit_ratio": hit / total if total else 0.0,
         "ideal_block_hit_ratio": blocks_hit / blocks if blocks else 0.0,
+        "ideal_prefill_tokens_per_s": (total - hit) / span if span > 0 else 0.0,
     }
+
+
+def ideal_load(requests: list[TraceRequest], capacity_tokens_per_s: float) -> float:
+    """The trace's prefill demand with ideal reuse, as a fraction of ``capacity_tokens_per_s``.
+
+    Demand is ``trace_summary``'s ``ideal_prefill_tokens_per_s``: the tokens
+    one infinite cache would still have to prefill (those the ideal hit ratio
+    leaves), per second of the trace's span. Capacity is the cluster's
+    prefill rate (engines x tokens/s each, in the trace's tokens). 0.35 means
+    that even a router that reused every block perfectly would keep the
+    cluster's prefill busy 35 % of the time; no router can do better, and a
+    worse one spends more. A trace of one instant (span 0) has load 0.
+    """
+    if not (math.isfinite(capacity_tokens_per_s) and capacity_tokens_per_s > 0):
+        raise ConfigError(f"capacity_tokens_per_s must be a finite number > 0, got {capacity_tokens_per_s}")
+    return trace_summary(requests)["ideal_prefill_tokens_per_s"] / capacity_tokens_per_s
 
 
 def mooncake_line(request: TraceRequest) -> str:
