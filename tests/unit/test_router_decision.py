@@ -194,7 +194,7 @@ def test_explanation_costs_are_the_model_cost_and_the_choice_is_their_argmin() -
 
 def _ttft(n: int, credit: float, queue_s: float, load: WorkerLoad, rate: float, overhead_s: float,
           weights: CostWeights, hot: float = 0.0) -> float:
-    """The cost, written out: (queue clock + overhead + weighted own prefill over the rate) times
+    """The cost, written out: queue clock + (overhead + weighted own prefill over the rate) times
     the sessions in flight, plus the load over the rate.
 
     The part of a hot prefix (``hot`` tokens deep, held by two engines or more)
@@ -205,10 +205,9 @@ def _ttft(n: int, credit: float, queue_s: float, load: WorkerLoad, rate: float, 
     own = weights.prefill_weight * uncached
     if hot and weights.prefill_weight > 1.0:
         own -= (weights.prefill_weight - 1.0) * min(uncached, max(hot - credit, 0.0))
-    prefill_side = weights.queue_weight * queue_s + overhead_s + own / rate
-    prefill_side *= 1.0 + weights.inflight_factor * weights.followup_share * load.active_requests
-    return prefill_side + (weights.decode_weight * load.active_tokens
-                           + weights.request_weight * load.active_requests) / rate
+    work = (overhead_s + own / rate) * (1.0 + weights.inflight_factor * weights.followup_share * load.active_requests)
+    return (weights.queue_weight * queue_s + work
+            + (weights.decode_weight * load.active_tokens + weights.request_weight * load.active_requests) / rate)
 
 
 def _second_deepest(credits: Iterable[float]) -> float:

@@ -6,8 +6,9 @@ flight and pinned blocks are exactly what the router routed:
 * the share of requests that carry a session's own history is learnt from
   the routes (one engine's credit a block deeper than any other's) and
   stays near 0 for traffic that only shares a prefix;
-* with sessions in flight, an engine's prefill-side cost grows with its
-  requests in flight, so a new session goes where fewer live sessions will
+* with sessions in flight, a request's own prefill on an engine costs more
+  the more requests are in flight there (the queue is not multiplied: it
+  holds those prefills already), so a new session goes where fewer live sessions will
   come back (vllm-router's ``kv_aware`` prices the same pressure);
 * a prompt whose new blocks do not fit beside the blocks requests in flight
   pin waits for some of them to finish, and the router prices that wait.
@@ -90,13 +91,14 @@ def test_live_sessions_push_a_new_session_to_the_holder_with_fewer(share: float,
     _sessions_in_flight(router, "h1", 1, 600)  # one on h1: 0.06 s queued
     # A new session (the system prompt and 2k tokens of its own): 0.2 s of prefill on either
     # holder. Queue alone: h0 (0.24 s vs 0.26 s). With every request a follow-up: h0's four
-    # sessions will come back, 0.24 x 5 = 1.2 s against h1's 0.26 x 2 = 0.52 s.
+    # sessions will come back, 0.04 + 0.2 x 5 = 1.04 s against h1's 0.06 + 0.2 x 2 = 0.46 s
+    # (and the idle engine's 1.0 s recompute of the system prompt).
     decision = router.route([*SYSTEM, *_own(9999, 2000)], explain=True)
     assert decision.worker == expected
     ex = decision.explanation
     assert ex is not None and ex.weights.followup_share == share and ex.weights.inflight_factor == factor
     h0 = ex.candidate("h0")
-    assert h0.cost == pytest.approx((0.04 + 0.2) * (1 + factor * share * 4) + 0.02 * 400 / RATE)
+    assert h0.cost == pytest.approx(0.04 + 0.2 * (1 + factor * share * 4) + 0.02 * 400 / RATE)
 
 
 def test_the_wait_for_cache_room_is_what_the_pinned_blocks_leave() -> None:
@@ -143,3 +145,18 @@ def test_a_full_engine_sends_a_prompt_where_it_fits(admission_wait: bool) -> Non
     ex = d.explanation
     assert ex is not None
     assert ex.candidate("h0").queue_s == pytest.approx(1.0 if admission_wait else 0.0)
+
+
+def test_a_question_stays_with_the_busy_holder_of_its_document() -> None:
+    """Only the request's own prefill is multiplied, not the queue (which holds the prefills in
+    flight already): a busy holder of a 20k-token document keeps its questions while its queue is
+    shorter than the document's recompute. Multiplying the queue too sent them away and, on the
+    document-QA shape, churned every cache (issue 31)."""
+    index = KvIndex()
+    document = list(range(1, 20_001))
+    _store(index, "h0", document)
+    router = _router(index)
+    router.pin_followup_share(1.0)  # the document is one engine's alone: it reads as a history
+    _sessions_in_flight(router, "h0", 10, 500)  # ten requests in flight: 0.5 s queued
+    decision = router.route([*document, *_own(7777, 100)])
+    assert decision.worker == "h0"  # 0.5 + 0.01 x 11 = 0.61 s against a 2.01 s recompute

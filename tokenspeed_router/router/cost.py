@@ -10,8 +10,8 @@ every candidate and asks it to choose; this module alone decides what a
 candidate costs, so a change to the model is a change to this file and to
 ``engine_belief.py``.
 
-    cost(w) = (queue_weight * queue_s(w) + admission_s(w) + overhead(w)
-               + (prefill_weight * (uncached(w) - replica(w)) + replica(w)) / rate(w))
+    cost(w) = queue_weight * queue_s(w) + admission_s(w)
+            + (overhead(w) + (prefill_weight * (uncached(w) - replica(w)) + replica(w)) / rate(w))
               * (1 + inflight_factor * share * requests(w))
             + (decode_weight * active_tokens(w) + request_weight * requests(w)) / rate(w)
 
@@ -27,14 +27,19 @@ come back to the same engine with a longer prompt. The queue clock only
 sees prefills routed already, so a holder of many live sessions looks free
 until their follow-ups arrive together; vllm-router's ``kv_aware`` prices
 every request's prefill times (requests in flight + 1) and keeps the tail
-down that way. Ours multiplies the prefill side of the cost by ``1 +
-inflight_factor * share * requests(w)``, where ``share`` is the fraction of
+down that way. Ours multiplies this request's own prefill time there
+(overhead and uncached tokens) by ``1 + inflight_factor * share *
+requests(w)``, where ``share`` is the fraction of
 recent requests (an EWMA over this router's and its peers' routes) that
 carried a session's *own* history: one engine's credit deeper than every
 other engine's by at least a block. With no sessions (single-turn traffic,
-shared documents) the share is near 0 and the model is the plain queue
-clock; with every request a follow-up it is vllm-router's in-flight
-pressure, on the time actually queued rather than on the raw token count.
+prefixes several engines hold) the share is near 0 and the model is the
+plain queue clock; with every request a follow-up it is vllm-router's in-flight
+pressure, in seconds rather than raw tokens. The queue is not multiplied:
+it already holds the prefills in flight, and multiplying it counts them
+twice -- on a document-QA trace that made every busy holder of a document
+look unaffordable, so questions recomputed their documents elsewhere, the
+caches churned and the queues grew further (hit 0.80 against 0.97, issue 31).
 
 ``replica``: the part of a *hot* prefix (one at least two engines hold)
 this engine lacks, priced at its recompute time alone: with ``prefill_weight``
@@ -285,10 +290,10 @@ class CostModel:
                 replica = min(uncached, max(hot - (k.credit_tokens if k is not None else 0.0), 0.0))
                 own -= (pw - 1.0) * replica
             admission = eng.admission_wait_s(uncached, k.credit_tokens if k is not None else 0.0) if room else 0.0
-            prefill_side = qw * queue_s + admission + overhead + own / rate
+            work = overhead + own / rate  # this request's own prefill there
             if pressure and requests > 0:
-                prefill_side *= 1.0 + pressure * requests
-            cost = prefill_side + (dw * active + rw * requests) / rate
+                work *= 1.0 + pressure * requests
+            cost = qw * queue_s + admission + work + (dw * active + rw * requests) / rate
             costs[name] = cost
             if cost < best:
                 best = cost
