@@ -184,17 +184,26 @@ def _fuzz_against(data: Any) -> str:
 
 
 def _live_cells(data: Any, key: str) -> str:
+    """Cells with targets (a light cell, where round robin's queue check failed, has none)."""
     cells = [c for c in data["cells"] if c["targets_met"]]
     return f"{sum(bool(c['targets_met'][key]) for c in cells)} / {len(cells)}"
 
 
 def _live_against(data: Any) -> str:
-    traces = sorted({c["trace"] for c in data["cells"]})
-    scenarios = sorted({c["scenario"] for c in data["cells"]})
-    proven = sum(v["index_proven"] for c in data["cells"] for v in c["controls"].values())
-    controls = sum(len(c["controls"]) for c in data["cells"])
-    return (f"vllm-router, sglang-router; {', '.join(traces)} x {', '.join(scenarios)}; "
+    cells = data["cells"]
+    traces = sorted({Path(c["trace"]).stem for c in cells})
+    scenarios = sorted({c["scenario"] for c in cells})
+    proven = sum(v["index_proven"] for c in cells for v in c["controls"].values())
+    controls = sum(len(c["controls"]) for c in cells)
+    text = (f"vllm-router, sglang-router; {', '.join(traces)} x {', '.join(scenarios)}; "
             f"peers' controls proven {proven} / {controls}")
+    if all("status" in c for c in cells):  # issue 31's protocol: at a load, round robin the witness
+        loads = [c["ideal_load"] for c in cells if c.get("ideal_load") is not None]
+        light = sum(c["status"] != "counted" for c in cells)
+        engines = sorted({c.get("fleet", "") for c in cells})
+        text += (f"; {'/'.join(engines)} fleet at ideal load {min(loads):.2f}-{max(loads):.2f}; "
+                 f"light cells (no queue: not counted) {light} / {len(cells)}")
+    return text
 
 
 def _ab(data: Any, side: str, key: str, fmt: str = "{:.0f}") -> str:

@@ -87,9 +87,9 @@ from tokenspeed_router.sim.traces import (
     TraceRequest,
     TraceWindow,
     load_mooncake,
-    trace_summary,
     write_mooncake,
 )
+from tokenspeed_router.sim.traces import ideal_load as traces_ideal_load
 
 #: what the constants were chosen on (named: see the module docstring)
 TRAIN_SHAPES = ("agentic", "chat", "mixed")
@@ -149,12 +149,7 @@ class Cell:
 
 def ideal_load(reqs: list[TraceRequest], speed: float) -> float:
     """Prefill demand with ideal reuse over the trace's span, as a fraction of the cluster's capacity at ``speed``."""
-    span = reqs[-1].arrival_s - reqs[0].arrival_s if reqs else 0.0
-    if span <= 0:
-        return 0.0
-    summary = trace_summary(reqs)
-    demand = summary["input_tokens"] * (1.0 - summary["ideal_hit_ratio"]) / span  # prefill tokens/s
-    return demand / (NUM_ENGINES * PRIOR_TOKENS_PER_S * speed)
+    return traces_ideal_load(reqs, NUM_ENGINES * PRIOR_TOKENS_PER_S * speed) if reqs else 0.0
 
 
 def session_rate(shape: str, seed: int, requests: int) -> float | None:

@@ -21,6 +21,7 @@ from support.server import ServeProcess
 from support.state_harness import make_config
 
 from tokenspeed_router.events.publisher import ZmqEventPublisher
+from tokenspeed_router.router.cost import CostModel
 from tokenspeed_router.router.router import Router, RouterConfig
 from tokenspeed_router.state.load import SharedLoad
 
@@ -244,3 +245,22 @@ def test_two_serve_processes_share_load(redis_url: str, tmp_path: Path) -> None:
                 p.stop()
         for pub in pubs:
             pub.close()
+
+
+def test_replicas_learn_one_share_of_session_follow_ups(redis_url: str, made: list[Replica]) -> None:
+    """The cost model's share of requests carrying a session's own history (router/cost.py) counts
+    every replica's routes: each route's flag travels with it (the message's ``histories``)."""
+    made.extend([Replica(redis_url, "ha"), Replica(redis_url, "hb")])
+    ha, hb = made
+    assert ha.shared is not None and hb.shared is not None
+    routes = 0
+    for i, first in enumerate(_prompts(30, seed=11)):
+        ha.route(first, f"first{i}")  # a new session: no history anywhere
+        ha.route([*first, *range(90_000_000, 90_000_300)], f"next{i}")  # its next turn: its own history
+        routes += 2
+    after_ha = ha.router.followup_share
+    assert after_ha > 0.1
+    wait_until(lambda: hb.shared.statistics().predictions_received == routes, 10,  # type: ignore[union-attr]
+               what="the peer's routes to arrive")
+    hb.route(list(range(80_000_000, 80_000_500)), "fresh")  # takes the peer's routes in, then its own
+    assert hb.router.followup_share == pytest.approx(after_ha * (1.0 - CostModel.SHARE_GAIN))

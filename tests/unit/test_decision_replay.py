@@ -137,3 +137,19 @@ def test_bad_decision_arguments_exit_2(logs: tuple[Path, Path, int], tmp_path: P
     assert main(["simulate", "--decisions", str(dlog), "--policies", "oracle"]) == 2
     assert main(["simulate", "--workers", "2"]) == 2
     assert "--trace" in capsys.readouterr().err
+
+
+def test_a_redecision_prices_with_the_share_the_logged_decision_saw(logs: tuple[Path, Path, int]) -> None:
+    """The in-flight term's share of session follow-ups is the router's learnt state, not a knob:
+    the log records it per decision and the re-decision holds it there (issue 31)."""
+    from tokenspeed_router.server.decision_log import DecisionLogReader
+    from tokenspeed_router.tools.decision_replay import Redecider, redecide_config
+
+    _, dlog, n = logs
+    decisions = list(DecisionLogReader(str(dlog)))
+    shares = [d.weights["followup_share"] for d in decisions]
+    assert len(shares) == n and shares[0] == 0.0 and max(shares) > 0.0  # later turns carry their history
+    decider = Redecider(redecide_config(decisions[0], None, {}, logged_view=True))
+    for d in decisions:
+        decider.decide(d)
+        assert decider.router.followup_share == d.weights["followup_share"]

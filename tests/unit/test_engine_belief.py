@@ -71,7 +71,7 @@ def test_first_token_reanchors_the_clock_and_feeds_the_fit() -> None:
     eng.done("a", 2.0)  # the engine is twice as slow as the prior
     assert math.isclose(eng.queue_s(2.0), eng.fit.predict(10_000))
     assert eng.fit.samples == 1 and eng.fit.rate < 10_000.0
-    eng.release("b")
+    eng.release("b", 2.0)
     assert eng.queue_s(2.0) == 0.0 and not eng.pending and eng.pending_uncached == 0
 
 

@@ -201,7 +201,8 @@ def test_decision_log_holds_explained_decisions_and_reads_back(tmp_path: Path) -
     first = lines[0]
     assert first["token_ids"] == A and first["num_tokens"] == len(A) and first["policy"] == "kv_aware"
     assert first["decision"]["worker"] == first["explain"]["worker"] == "w0"
-    assert first["weights"]["prefill_weight"] == 2.5  # every CostWeights field, whatever the version
+    assert first["weights"]["prefill_weight"] == 1.0  # every CostWeights field, whatever the version
+    assert 0.0 <= first["weights"]["followup_share"] <= 1.0  # the share this decision priced with
     reader = DecisionLogReader(str(path))
     decisions = list(reader)
     assert [d.request_id for d in decisions] == ["r1", "r3", "r5", "asked"] and reader.malformed == 0

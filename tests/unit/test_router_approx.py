@@ -95,7 +95,10 @@ def test_kv_aware_uses_memory_for_workers_without_events() -> None:
 def test_predictions_bridge_only_until_the_store() -> None:
     index = StubIndex()  # the engine has not published anything yet
     clock = FakeClock()
-    router = Router(index, RouterConfig(request_id_prefix="t", prediction_grace_s=0.5), clock=clock)
+    # own prefill weighed 2.5x: the sibling waits for the first's prefill rather than recomputing
+    # its 8000 shared tokens beside it (at weight 1 both cost the same 0.8 s)
+    router = Router(index, RouterConfig(request_id_prefix="t", prediction_grace_s=0.5, prefill_weight=2.5),
+                    clock=clock)
     for w in ("w0", "w1", "w2", "w3"):
         router.add_worker(w)
     shared = list(range(8000))

@@ -100,7 +100,8 @@ def test_aggregated_cluster_reports_worker_as_decode_worker() -> None:
         assert d.prefill_worker is None and d.worker == d.decode_worker
     # Re-adding with another role switches the router to disaggregated mode.
     router.add_worker("a", role="prefill")
-    d = router.route(PROMPT)
+    fresh = [t + 1_000_000 for t in PROMPT]  # cached nowhere: a remote prefill is worth it
+    d = router.route(fresh)
     assert d.decode_worker == "b" and d.prefill_worker == "a"
     router.add_worker("a", role="both")
     assert router.route(PROMPT).prefill_worker is None

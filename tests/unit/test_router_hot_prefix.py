@@ -8,6 +8,12 @@ engines hold (hot) is now priced at its recompute time alone on the engines
 that lack it; a prefix one engine holds, and a session's own history, keep
 ``prefill_weight``. Checked on the real index with a frozen clock: the
 queues are exactly what the router routed.
+
+The rule matters only when own work weighs more than its time
+(``prefill_weight`` > 1): these tests run at issue 26's 2.5, with the
+in-flight term off, so the prices are the rule's alone. At issue 31's
+shipped weight of 1 every uncached token already costs its recompute time,
+and the rule changes nothing (the last test).
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ def _store(index: KvIndex, worker: str, tokens: list[int]) -> None:
 
 
 def _router(index: KvIndex, **options: object) -> Router:
+    knobs: dict[str, object] = {"prefill_weight": 2.5, "inflight_factor": 0.0, **options}
     config = RouterConfig(request_id_prefix="t", predict_on_route_ttl_s=0.0, fit_prefill=False,
-                          prefill_tokens_per_s=RATE, prefill_overhead_s=0.0, **options)  # type: ignore[arg-type]
+                          prefill_tokens_per_s=RATE, prefill_overhead_s=0.0, **knobs)  # type: ignore[arg-type]
     router = Router(index, config, clock=FakeClock())
     for w in ("h0", "h1", "idle"):
         router.add_worker(w)
@@ -89,6 +96,21 @@ def test_a_sessions_own_history_still_sticks() -> None:
     _queue_behind(router, "h0", 1.0)
     # h0 queues 1.0 s; its history saves 0.6 s of compute worth 2.5 x: the session stays
     assert router.route([*history, *range(30_000_000, 30_000_100)]).worker == "h0"
+
+
+@pytest.mark.parametrize("queued_s", [0.5, 0.9, 1.5])
+def test_at_the_shipped_weight_the_rule_changes_nothing(queued_s: float) -> None:
+    index = KvIndex()
+    for holder in ("h0", "h1"):
+        _store(index, holder, SYSTEM)
+    chosen = set()
+    for replicate in (True, False):
+        router = _router(index, prefill_weight=1.0, replicate_hot_prefixes=replicate)
+        _queue_behind(router, "h0", queued_s)
+        _queue_behind(router, "h1", queued_s)
+        chosen.add(router.route(_session(3)).worker in ("h0", "h1"))
+    # the same side of 0.8 s (the recompute) with the rule on and off
+    assert chosen == {queued_s < 0.8}
 
 
 # --- the prefill fit leaves a wrong prior ---------------------------------------------------

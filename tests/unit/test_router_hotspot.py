@@ -62,18 +62,21 @@ def test_default_kv_aware_spreads_load_and_beats_round_robin(trace, default_resu
     rr = replay(trace, RouterConfig(policy="round_robin", request_id_prefix="r"))
     assert len(kv.requests) == NUM_WORKERS
     assert max(kv.requests.values()) <= 1.5 * NUM_REQUESTS / NUM_WORKERS
-    assert kv.busiest_over_mean_work() <= 1.25
+    # 1.35, not 1.25: the in-flight term (issue 31) lets a conversation's engine take its own
+    # next turns a little longer than the queue alone would; the tail it buys is in docs/routing.md
+    assert kv.busiest_over_mean_work() <= 1.35
     assert kv.hit_tokens > 2 * rr.hit_tokens
     assert statistics.mean(kv.ttft_s) < 0.8 * statistics.mean(rr.ttft_s)
 
 
 def test_the_load_terms_are_what_keeps_it_balanced(trace, default_result) -> None:  # type: ignore[no-untyped-def]
-    # Prefix only (no queue or decode term): here only the tie-break (fewest in
+    # Prefix only (no queue, decode, in-flight or admission term): here only the tie-break (fewest in
     # flight) spreads requests whose best match is the shared block 0, while a
     # conversation's later turns stick to their worker however long its queue:
     # less balanced and slower than the default.
     prefix_only = replay(
-        trace, RouterConfig(queue_weight=0.0, decode_weight=0.0, request_id_prefix="p")
+        trace, RouterConfig(queue_weight=0.0, decode_weight=0.0, inflight_factor=0.0, admission_wait=False,
+                            request_id_prefix="p")
     )
     kv = default_result
     assert prefix_only.busiest_over_mean_work() > kv.busiest_over_mean_work() + 0.1

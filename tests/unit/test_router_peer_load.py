@@ -119,8 +119,8 @@ class LinkedPeer:
                 inbox.append(event)
 
     def routed(self, workers: tuple[str, ...], hashes: Sequence[int], request: str = "",
-               uncached: int = 0) -> None:
-        self._send(PeerPrediction(workers, tuple(hashes), f"r{self.me}/{request}", uncached))
+               uncached: int = 0, *, history: bool = False) -> None:
+        self._send(PeerPrediction(workers, tuple(hashes), f"r{self.me}/{request}", uncached, history=history))
 
     def prefill_done(self, request: str) -> None:
         self._send(PeerPrefillDone(f"r{self.me}/{request}"))

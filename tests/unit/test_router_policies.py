@@ -73,7 +73,7 @@ def test_shared_prefix_does_not_hot_spot_by_default() -> None:
 def test_prefix_only_weights_do_hot_spot() -> None:
     index = StubIndex()
     index.hold("w0", 32)
-    router = make_router(index, queue_weight=0.0, decode_weight=0.0)
+    router = make_router(index, queue_weight=0.0, decode_weight=0.0, inflight_factor=0.0)
     counts = Counter(router.route(PROMPT).worker for _ in range(40))
     assert counts == {"w0": 40}
 

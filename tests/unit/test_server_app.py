@@ -16,8 +16,10 @@ from tokenspeed_router.events.log import EventLogReader
 from tokenspeed_router.events.publisher import ZmqEventPublisher
 from tokenspeed_router.events.subscriber import ResyncNeeded, SubscriberItem
 from tokenspeed_router.router.index import KvIndex
+from tokenspeed_router.router.router import RouterConfig
 from tokenspeed_router.server import RouterService, ServerConfig, WorkerSpec
 from tokenspeed_router.server.app import NullIngestSink, RecordingSink
+from tokenspeed_router.server.openapi import EngineBeliefAnswer
 from tokenspeed_router.tools.cli_replay import answer_queries
 
 
@@ -167,6 +169,21 @@ def test_workers_is_a_name_to_info_object() -> None:
     assert info["blocks"] == info["blocks_held"] == 2
     assert info["last_seq"] == 3 and info["events_applied"] == 1
     assert info["lag_s"] == info["lag"] == pytest.approx(1.5)
+    assert info["engine_belief"] is None  # never routed to: the cost model has no belief yet
+    service.stop()
+
+
+def test_workers_show_what_the_cost_model_believes_of_each_engine() -> None:
+    service = RouterService(ServerConfig(http=None), wall_clock=lambda: 11.5)
+    service.apply_record("w0", 0, batch(stored(tokens(1, 2)), ts=10.0), 1.0)
+    service.route(tokens(1, 4), request_id="r1")
+    belief = service.workers()["w0"]["engine_belief"]
+    assert belief["queued_prefills"] == 1 and belief["queue_s"] > 0.0
+    assert belief["prefill_tokens_per_s"] == RouterConfig().prefill_tokens_per_s  # the prior, unfitted
+    assert belief["resident_new_tokens"] > 0 and belief["residence_s"] == 0.0  # pinned; no stay seen yet
+    msgspec.convert(belief, EngineBeliefAnswer)  # what the OpenAPI document says
+    service.release("r1")
+    assert service.workers()["w0"]["engine_belief"]["resident_new_tokens"] == 0
     service.stop()
 
 

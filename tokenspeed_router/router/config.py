@@ -73,11 +73,13 @@ class RouterConfig:
 
     The cost of a candidate is an estimated time to first token in seconds
     (``router/cost.py``): ``queue_weight`` times the engine's queue clock,
-    plus its per-prefill overhead, plus ``prefill_weight`` times this
-    request's uncached prompt tokens, ``decode_weight`` times the context
-    tokens in flight there and ``request_weight`` times its requests in
-    flight, all over the engine's prefill rate (fitted from first tokens,
-    starting from ``prefill_tokens_per_s`` / ``prefill_overhead_s``).
+    plus the wait for cache room (``admission_wait``), plus its per-prefill
+    overhead, plus ``prefill_weight`` times this request's uncached prompt
+    tokens over the engine's prefill rate, that sum multiplied by the
+    sessions in flight there (``inflight_factor``); plus ``decode_weight``
+    times the context tokens in flight there and ``request_weight`` times
+    its requests in flight over the rate (fitted from first tokens, starting
+    from ``prefill_tokens_per_s`` / ``prefill_overhead_s``).
     Credits are trimmed to the blocks expected to survive until the prefill
     starts; a routed prompt is predicted on its engine until that engine's
     ``BlockStored`` can have arrived (``predict_on_route_ttl_s`` at most).
@@ -87,15 +89,24 @@ class RouterConfig:
 
     #: One of :class:`Policy` (a plain string such as ``"round_robin"`` works).
     policy: Policy | str = Policy.KV_AWARE
-    prefill_weight: float = 2.5
+    prefill_weight: float = 1.0
     #: A hot prefix (one at least two engines hold) that a candidate lacks is priced at
     #: its recompute time (weight 1), not at ``prefill_weight``: when its holders queue
     #: longer than recomputing it elsewhere costs, it goes to one more engine
     #: (docs/routing.md, "Hot prefixes"). False: every uncached token at ``prefill_weight``.
     replicate_hot_prefixes: bool = True
     queue_weight: float = 1.0
-    decode_weight: float = 0.05
+    decode_weight: float = 0.02
     request_weight: float = 0.0
+    #: Sessions in flight push new work away: an engine's prefill-side cost (queue, admission,
+    #: overhead, own prefill) is multiplied by ``1 + inflight_factor * share * requests in
+    #: flight there``, where ``share`` is the learnt fraction of requests that carry a
+    #: session's own history (docs/routing.md, "Sessions in flight"). 0 turns it off.
+    inflight_factor: float = 1.0
+    #: Price the wait for cache room: a prompt whose new blocks do not fit beside the
+    #: blocks that requests in flight pin waits for some of them to finish
+    #: (docs/routing.md, "Room in the cache"). Only with the router's own load tracking.
+    admission_wait: bool = True
     #: Fraction of a block's prefill a CPU-tier (resp. storage-tier) hit saves.
     cpu_hit_credit: float = 0.75
     storage_hit_credit: float = 0.25
@@ -142,7 +153,7 @@ class RouterConfig:
             names = ", ".join(p.value for p in Policy)
             raise ConfigError(f"unknown policy {self.policy!r}; expected one of {names}") from None
         object.__setattr__(self, "policy", policy)
-        for name in ("prefill_weight", "queue_weight", "decode_weight", "request_weight"):
+        for name in ("prefill_weight", "queue_weight", "decode_weight", "request_weight", "inflight_factor"):
             _finite_nonneg(name, getattr(self, name))
         for name in ("cpu_hit_credit", "storage_hit_credit"):
             value = getattr(self, name)
@@ -162,7 +173,7 @@ class RouterConfig:
         _finite_nonneg("survival_band", self.survival_band)
         if self.survival_band >= 1.0:
             raise ConfigError(f"survival_band must be in [0, 1), got {self.survival_band!r}")
-        for name in ("fit_prefill", "replicate_hot_prefixes"):
+        for name in ("fit_prefill", "replicate_hot_prefixes", "admission_wait"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in (
@@ -192,6 +203,8 @@ class RouterConfig:
             queue_weight=self.queue_weight,
             decode_weight=self.decode_weight,
             request_weight=self.request_weight,
+            inflight_factor=self.inflight_factor,
+            followup_share=0.0,
             cpu_hit_credit=self.cpu_hit_credit,
             storage_hit_credit=self.storage_hit_credit,
         )
@@ -226,7 +239,9 @@ class EngineEstimate:
     ``queued_prefills``: prefills queued or running; the fitted
     ``prefill_tokens_per_s`` and ``prefill_overhead_s`` (``fit_samples``
     prefills seen); ``capacity_tokens``: the eviction horizon (None: unknown,
-    no eviction seen yet); ``predictions``: requests whose store is bridged.
+    no eviction seen yet); ``predictions``: requests whose store is bridged;
+    ``resident_new_tokens``: the new tokens the requests in flight there pin,
+    and ``residence_s`` how long a request stays (the cache-room wait).
     """
 
     queue_s: float
@@ -236,6 +251,8 @@ class EngineEstimate:
     fit_samples: int
     capacity_tokens: int | None
     predictions: int
+    resident_new_tokens: int = 0
+    residence_s: float = 0.0
 
     def to_dict(self) -> dict[str, float | int | None]:
         return {
@@ -246,6 +263,8 @@ class EngineEstimate:
             "fit_samples": self.fit_samples,
             "capacity_tokens": self.capacity_tokens,
             "predictions": self.predictions,
+            "resident_new_tokens": self.resident_new_tokens,
+            "residence_s": self.residence_s,
         }
 
 

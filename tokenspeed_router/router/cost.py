@@ -10,20 +10,42 @@ every candidate and asks it to choose; this module alone decides what a
 candidate costs, so a change to the model is a change to this file and to
 ``engine_belief.py``.
 
-    cost(w) = queue_weight * queue_s(w) + overhead(w)
-            + (prefill_weight * (uncached(w) - replica(w)) + replica(w)
-               + decode_weight * active_tokens(w) + request_weight * active_requests(w)) / rate(w)
+    cost(w) = queue_weight * queue_s(w) + admission_s(w)
+            + (overhead(w) + (prefill_weight * (uncached(w) - replica(w)) + replica(w)) / rate(w))
+              * (1 + inflight_factor * share * requests(w))
+            + (decode_weight * active_tokens(w) + request_weight * requests(w)) / rate(w)
 
 ``queue_s``: the engine's queue clock (every replica's prefills on it);
+``admission_s``: the wait for cache room, when the prompt's new blocks do
+not fit beside those the requests in flight pin (``engine_belief.py``);
 ``uncached``: the prompt minus the credited prefix, the credit first trimmed
-to the blocks expected to survive until the prefill starts; ``replica``: the
-part of a *hot* prefix (one at least two engines hold) this engine lacks,
-priced at its recompute time alone. Own work weighs ``prefill_weight``
-(recomputing what another engine holds also costs later requests and cache
-room), but a hot prefix is worth one more copy as soon as its holders queue
-longer than recomputing it costs: the rule that keeps sessions from piling
-onto the holders of a shared system prompt (issue 26; docs/routing.md, "Hot
-prefixes").
+to the blocks expected to survive until the prefill starts.
+
+**Sessions in flight** (issue 31; docs/routing.md). A request in flight on
+an engine is, in a session workload, the promise of a next turn that will
+come back to the same engine with a longer prompt. The queue clock only
+sees prefills routed already, so a holder of many live sessions looks free
+until their follow-ups arrive together; vllm-router's ``kv_aware`` prices
+every request's prefill times (requests in flight + 1) and keeps the tail
+down that way. Ours multiplies this request's own prefill time there
+(overhead and uncached tokens) by ``1 + inflight_factor * share *
+requests(w)``, where ``share`` is the fraction of
+recent requests (an EWMA over this router's and its peers' routes) that
+carried a session's *own* history: one engine's credit deeper than every
+other engine's by at least a block. With no sessions (single-turn traffic,
+prefixes several engines hold) the share is near 0 and the model is the
+plain queue clock; with every request a follow-up it is vllm-router's in-flight
+pressure, in seconds rather than raw tokens. The queue is not multiplied:
+it already holds the prefills in flight, and multiplying it counts them
+twice -- on a document-QA trace that made every busy holder of a document
+look unaffordable, so questions recomputed their documents elsewhere, the
+caches churned and the queues grew further (hit 0.80 against 0.97, issue 31).
+
+``replica``: the part of a *hot* prefix (one at least two engines hold)
+this engine lacks, priced at its recompute time alone: with ``prefill_weight``
+above 1, a hot prefix is worth one more copy as soon as its holders queue
+longer than recomputing it costs (issue 26; docs/routing.md, "Hot
+prefixes"). At the shipped weight 1 the rule changes nothing.
 Ties (within a relative 1e-9) go to the fewest requests in flight, then to
 the rendezvous hash of the prompt's first uncached block, so replicas and
 siblings agree.
@@ -96,6 +118,27 @@ class CostModel:
         #: True once a peer shares its requests one by one (its prefills are on the clocks,
         #: so its queued-token total must not be added again)
         self._peer_clocks = False
+        #: the fraction of routed requests that carried a session's own history (module docstring)
+        self._share = 0.0
+        #: decision replay: the share the logged decision saw, held fixed (None: learnt)
+        self._pinned_share: float | None = None
+        #: whether the prompt last credited carried a session's own history
+        self.last_history = False
+
+    #: the weight of one route in the share's EWMA (about the last 100 routes)
+    SHARE_GAIN = 0.01
+
+    @property
+    def followup_share(self) -> float:
+        """The share of requests carrying a session's own history the cost uses now."""
+        return self._share if self._pinned_share is None else self._pinned_share
+
+    def pin_followup_share(self, share: float | None) -> None:
+        """Hold the share at ``share`` (decision replay: what the logged decision saw); None: learn again."""
+        self._pinned_share = None if share is None else min(max(float(share), 0.0), 1.0)
+
+    def _fold_history(self, history: bool) -> None:
+        self._share += self.SHARE_GAIN * ((1.0 if history else 0.0) - self._share)
 
     # --- engines ---------------------------------------------------------------------
 
@@ -134,6 +177,8 @@ class CostModel:
                 fit_samples=eng.own_fit.samples,
                 capacity_tokens=None if eng.capacity_tokens == math.inf else int(eng.capacity_tokens),
                 predictions=len(eng.predictions),
+                resident_new_tokens=eng.resident_new,
+                residence_s=eng.residence_s,
             )
             for name, eng in self._engines.items()
         }
@@ -149,7 +194,9 @@ class CostModel:
         request in flight will store it; then every credit is cut to the
         blocks expected to survive until this request's prefill starts (the
         engine's eviction horizon against the blocks' ages on its insertion
-        clock).
+        clock). Last, :attr:`last_history` says whether the prompt carries a
+        session's own history (one engine's credit a block deeper than any
+        other's); the route that follows folds it into the share.
         """
         abs_ = self._block_size
         band = self._config.survival_band
@@ -176,6 +223,8 @@ class CostModel:
             limit = (sure + 0.5 * (likely - sure)) * abs_
             if k.credit_tokens > limit:
                 known[name] = PrefixCredit(k.blocks, k.block_size, float(limit), k.source)
+        first, second = self._two_deepest(known)
+        self.last_history = first - second >= abs_
 
     # --- the choice ------------------------------------------------------------------
 
@@ -201,8 +250,10 @@ class CostModel:
         """
         w = self._weights
         pw, qw, dw, rw = w.prefill_weight, w.queue_weight, w.decode_weight, w.request_weight
+        pressure = w.inflight_factor * self.followup_share
         provider = self._load_provider
-        hot = self._hot_tokens(known) if self._config.replicate_hot_prefixes else 0.0
+        room = self._config.admission_wait and provider is None
+        hot = self._two_deepest(known)[1] if self._config.replicate_hot_prefixes else 0.0
         get_known = known.get
         costs: dict[str, float] = {}
         terms: list[CostTerms] | None = [] if trace is not None else None
@@ -238,14 +289,19 @@ class CostModel:
                 # the part of a hot prefix this engine lacks costs its recompute, once (a new replica)
                 replica = min(uncached, max(hot - (k.credit_tokens if k is not None else 0.0), 0.0))
                 own -= (pw - 1.0) * replica
-            cost = qw * queue_s + overhead + (own + dw * active + rw * requests) / rate
+            admission = eng.admission_wait_s(uncached, k.credit_tokens if k is not None else 0.0) if room else 0.0
+            work = overhead + own / rate  # this request's own prefill there
+            if pressure and requests > 0:
+                work *= 1.0 + pressure * requests
+            cost = qw * queue_s + admission + work + (dw * active + rw * requests) / rate
             costs[name] = cost
             if cost < best:
                 best = cost
             if terms is not None:
                 queue_tokens = load.pending_prefill_tokens + (peer.pending_prefill_tokens if peer is not None else 0)
                 terms.append(CostTerms(pool, name, k, float(uncached), queue_tokens, active, requests, cost,
-                                       queue_s=queue_s, prefill_tokens_per_s=rate, prefill_overhead_s=overhead))
+                                       queue_s=queue_s + admission, prefill_tokens_per_s=rate,
+                                       prefill_overhead_s=overhead))
         sampled = self._config.temperature > 0.0
         tied = lowest_tied(costs, best=best)
         if sampled:
@@ -259,13 +315,14 @@ class CostModel:
         return choice
 
     @staticmethod
-    def _hot_tokens(known: Mapping[str, PrefixCredit]) -> float:
-        """How deep into the prompt a *hot* prefix reaches: the credit at least two engines share.
+    def _two_deepest(known: Mapping[str, PrefixCredit]) -> tuple[float, float]:
+        """The deepest and second-deepest credits among the candidates.
 
-        The second-deepest credit among the candidates: every engine up to it
+        The second is how deep a *hot* prefix reaches: every engine up to it
         holds the prompt's blocks up to there too (credits are leading
         prefixes), so it is a prefix cached twice or more -- shared, not one
-        session's own.
+        session's own. What the deepest holds beyond it is one engine's
+        alone: a session's own history.
         """
         first = second = 0.0
         for k in known.values():
@@ -274,7 +331,7 @@ class CostModel:
                 first, second = c, first
             elif c > second:
                 second = c
-        return second
+        return first, second
 
     def _tie_break(
         self,
@@ -301,9 +358,12 @@ class CostModel:
     # --- the life of a request ------------------------------------------------------
 
     def admit(self, request_id: str, now: float, uncached: int, site: str, decode: str,
-              hashes: Sequence[int] | None, predict: bool) -> None:
+              hashes: Sequence[int] | None, predict: bool, *, history: bool | None = None) -> None:
         """Queue the prefill on ``site``'s clock, touch its blocks, predict its store (``predict``:
-        ``site`` publishes events and is indexed)."""
+        ``site`` publishes events and is indexed), and count the route in the share of requests
+        carrying a session's own history (``history``; None: :attr:`last_history`, this router's
+        own last credit)."""
+        self._fold_history(self.last_history if history is None else history)
         eng = self.engine(site)
         eng.admit(request_id, uncached, now)
         if not hashes:
@@ -328,27 +388,31 @@ class CostModel:
                 eng.done(request_id, now, uncached, fit=self._config.fit_prefill)
                 eng.prediction_done(request_id, grace)
 
-    def release(self, request_id: str, workers: Sequence[str]) -> None:
+    def release(self, request_id: str, workers: Sequence[str], now: float) -> None:
         for name in workers:
             eng = self._engines.get(name)
             if eng is not None:
-                eng.release(request_id)
+                eng.release(request_id, now)
 
     def peer_routed(self, hashes: Sequence[int], workers: Sequence[str], indexed: Callable[[str], bool],
-                    now: float, *, request: str = "", site: str | None = None, uncached: int = 0) -> None:
+                    now: float, *, request: str = "", site: str | None = None, uncached: int = 0,
+                    history: bool = False) -> None:
         """Another replica routed this prompt there (``peer_work.py``).
 
         With its key, the prefill joins ``site``'s clock exactly as if this
         router had routed it, and its prediction follows the same life (ended
-        by the peer's first token and end); without (a peer of an older
-        release), a bridged prediction for as long as its prefill can take.
+        by the peer's first token and end), and ``history`` counts in the
+        share of requests carrying a session's own history as this router's
+        own routes do (the replicas learn one share); without (a peer of an
+        older release), a bridged prediction for as long as its prefill can
+        take.
         """
         c = self._config
         hs = list(hashes)
         if request and site is not None:
             self._peer_clocks = True
             self._peer_sites[request] = site
-            self.admit(request, now, uncached, site, workers[-1], hs, indexed(site))
+            self.admit(request, now, uncached, site, workers[-1], hs, indexed(site), history=history)
             return
         for name in workers:
             eng = self.engine(name)
@@ -363,10 +427,10 @@ class CostModel:
         if site is not None:
             self.prefill_done(request, (site,), now, None)
 
-    def peer_ended(self, request: str) -> None:
+    def peer_ended(self, request: str, now: float) -> None:
         site = self._peer_sites.pop(request, None)
         if site is not None:
-            self.release(request, (site,))
+            self.release(request, (site,), now)
 
     # --- what the index says -----------------------------------------------------------
 

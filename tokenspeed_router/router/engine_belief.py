@@ -23,6 +23,15 @@ things per engine that the v1 token-unit cost lacked, each kept here:
   clock, so this is the survival *at the start of that prefill*. ``C`` is
   learned from the engine's events (the blocks it held when it first removed
   some) or configured;
+* **room in the cache** (:meth:`EngineBelief.admission_wait_s`): the new
+  blocks of the requests in flight are pinned until they finish
+  (``resident_new``); a prompt whose own new blocks do not fit in the rest
+  of the capacity waits for some of them to end, for about the time a
+  request stays (``residence_s``, learnt from admissions and releases).
+  vLLM and SGLang admit a prefill only when its blocks can be allocated,
+  so this wait is real and the queue clock does not see it (issue 31: the
+  chat tail was engines whose believed queue was 0 and whose prompts
+  waited for memory);
 * **bridged predictions**: the prompt of a request in flight is credited to
   its engine from routing until the engine's ``BlockStored`` for it can have
   arrived (the first ``BlockStored`` batch after its first token, or
@@ -210,6 +219,12 @@ class _Pending:
 
 
 @dataclass(slots=True)
+class _Resident:
+    new_tokens: int
+    admitted_at: float
+
+
+@dataclass(slots=True)
 class _Prediction:
     hashes: list[int]
     deadline: float
@@ -241,9 +256,17 @@ class EngineBelief:
     deadlines: list[tuple[float, str]] = field(default_factory=list)
     #: predictions whose first token came (they end at the next BlockStored batch)
     done_predictions: set[str] = field(default_factory=set)
+    #: requests in flight here, admission to release: the new blocks each pins
+    residents: dict[str, _Resident] = field(default_factory=dict)
+    resident_new: int = 0
+    #: how long a request stays, admission to release (an EWMA; 0 until one is seen)
+    residence_s: float = 0.0
+    residence_samples: int = 0
 
     #: samples an engine needs before its own fit replaces the fleet's
     OWN_FIT_SAMPLES = 8
+    #: the weight of a new residence sample (about the last 20 requests)
+    RESIDENCE_GAIN = 0.05
 
     @property
     def fit(self) -> PrefillFit:
@@ -265,6 +288,11 @@ class EngineBelief:
         service = self.fit.predict(uncached)
         self.pending[request_id] = _Pending(uncached, service, now)
         self.pending_uncached += uncached
+        old = self.residents.pop(request_id, None)
+        if old is not None:
+            self.resident_new -= old.new_tokens
+        self.residents[request_id] = _Resident(uncached, now)
+        self.resident_new += uncached
         start = max(self.free_at, now, self.last_done_at)
         self.free_at = start + service
         self.clock += uncached
@@ -285,12 +313,38 @@ class EngineBelief:
         self.last_done_at = max(self.last_done_at, now)
         self._reclock()
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, now: float) -> None:
+        """``request_id`` ended: its prefill (if still queued), its pinned blocks and its prediction go."""
         p = self.pending.get(request_id)
         if p is not None:
             self._remove(request_id, p)
             self._reclock()
+        r = self.residents.pop(request_id, None)
+        if r is not None:
+            self.resident_new -= r.new_tokens
+            stay = now - r.admitted_at
+            if math.isfinite(stay) and stay >= 0:
+                self.residence_samples += 1
+                gain = max(self.RESIDENCE_GAIN, 1.0 / self.residence_samples)
+                self.residence_s += gain * (stay - self.residence_s)
         self.end_prediction(request_id)
+
+    def admission_wait_s(self, uncached: float, credited: float) -> float:
+        """Seconds a prompt with ``uncached`` new tokens waits for cache room (module docstring).
+
+        The room is the capacity less the new blocks requests in flight pin
+        and the prompt's own cached prefix (in use too); what does not fit
+        waits for that fraction of the pinned blocks to be released, at
+        ``residence_s`` for all of them. 0 while the capacity is unknown.
+        """
+        cap = self.capacity_tokens
+        pinned = self.resident_new
+        if cap == math.inf or pinned <= 0 or self.residence_s <= 0.0:
+            return 0.0
+        deficit = uncached - (cap - pinned - credited)
+        if deficit <= 0:
+            return 0.0
+        return self.residence_s * min(1.0, deficit / pinned)
 
     def _remove(self, request_id: str, p: _Pending) -> None:
         del self.pending[request_id]

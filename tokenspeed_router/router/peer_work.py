@@ -39,6 +39,9 @@ class PeerPrediction:
     ``uncached`` (the prompt tokens it predicted that worker computes) put
     the prefill on that engine's clock here too. A peer of an older release
     sends neither (``request`` empty): only the prediction is kept.
+    ``history``: the prompt carried a session's own history there
+    (``router/cost.py``, "Sessions in flight"), so every replica learns the
+    same share of such requests.
     """
 
     workers: tuple[str, ...]
@@ -47,6 +50,7 @@ class PeerPrediction:
     uncached: int = 0
     at: float | None = None
     """When it was received, on the receiving router's clock (None: when taken)."""
+    history: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +84,7 @@ class PeerPredictions(Protocol):
     """
 
     def routed(self, workers: tuple[str, ...], hashes: Sequence[int], request: str = "",
-               uncached: int = 0) -> None: ...
+               uncached: int = 0, *, history: bool = False) -> None: ...
 
     def prefill_done(self, request: str) -> None: ...
 

@@ -47,6 +47,7 @@ Complexity per ``route``: one index match (hashing included) plus O(workers).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -422,6 +423,7 @@ class Router:
             known, hashes, detail = self._knowledge(token_ids, lora_id, salt, now)
 
         trace: list[PoolTrace] | None = [] if explain else None
+        share = self._cost.followup_share  # what this decision prices with (the route folds into it)
         pools = self._membership()
         if only is not None:
             pools = _subset(pools, only)
@@ -452,7 +454,8 @@ class Router:
         if self._recovering:
             self._record_chains(token_ids, lora_id, salt, (site, decode))
         if shared is not None and policy in _COST_POLICIES:
-            shared.routed((site, decode) if site != decode else (site,), hashes or (), request_id, uncached)
+            shared.routed((site, decode) if site != decode else (site,), hashes or (), request_id, uncached,
+                          history=self._cost.last_history)
         self._routed += 1
         if prefill is not None:
             self._remote_prefills += 1
@@ -471,7 +474,7 @@ class Router:
             )
         explanation = None
         if trace is not None:
-            explanation = self._explanation(trace, site, decode, prefill, num_tokens, detail)
+            explanation = self._explanation(trace, site, decode, prefill, num_tokens, detail, share)
         return RouteDecision(
             worker=site,
             matched_blocks=matched_blocks,
@@ -547,6 +550,16 @@ class Router:
             w.name: WorkerLoad(w.active_requests, w.pending_prefill_tokens, w.active_tokens)
             for w in self._workers.values()
         }
+
+    @property
+    def followup_share(self) -> float:
+        """The learnt share of requests carrying a session's own history (``router/cost.py``)."""
+        return self._cost.followup_share
+
+    def pin_followup_share(self, share: float | None) -> None:
+        """Hold the cost model's share of requests carrying a session's own history (decision
+        replay prices a logged decision with the share it saw); None: learn it again."""
+        self._cost.pin_followup_share(share)
 
     def engine_estimates(self) -> dict[str, EngineEstimate]:
         """The cost model's view of each engine it has routed to."""
@@ -729,6 +742,7 @@ class Router:
         prefill: str | None,
         num_tokens: int,
         detail: MatchDetailLike | None,
+        share: float,
     ) -> RouteExplanation:
         candidates: list[CandidateCost] = []
         policy = self._policy.value
@@ -743,7 +757,7 @@ class Router:
             policy=policy,
             num_tokens=num_tokens,
             temperature=self._config.temperature,
-            weights=self._weights,
+            weights=dataclasses.replace(self._weights, followup_share=share),
             candidates=tuple(candidates),
         )
 
@@ -849,14 +863,15 @@ class Router:
                 if known:
                     site = event.workers[0] if event.workers[0] in workers else None
                     cost.peer_routed(event.hashes, known, lambda n: workers[n].events, at,
-                                     request=event.request, site=site, uncached=event.uncached)
+                                     request=event.request, site=site, uncached=event.uncached,
+                                     history=event.history)
             elif isinstance(event, PeerEnded):
-                cost.peer_ended(event.request)
+                cost.peer_ended(event.request, at)
             else:
                 cost.peer_prefill_done(event.request, at)
 
     def _drop(self, entry: _InFlight) -> None:
-        self._cost.release(entry.request_id, [p.worker for p in entry.parts])
+        self._cost.release(entry.request_id, [p.worker for p in entry.parts], self._clock())
         if self._peer_predictions is not None:
             self._peer_predictions.ended(entry.request_id)
         if self._peer_load is not None and entry.parts:

@@ -132,6 +132,10 @@ class CostWeights:
     queue_weight: float
     decode_weight: float
     request_weight: float
+    inflight_factor: float
+    #: the learnt share of requests carrying a session's own history when the decision was
+    #: made (the config's struct has 0: the router fills it in for an explanation)
+    followup_share: float
     cpu_hit_credit: float
     storage_hit_credit: float
 

@@ -667,6 +667,12 @@ class RouterService:
                 self._workers, core, stats, connected, now, peers=peers, ingest_lag=lag,
                 stream_problems=problems,
             )
+        # what the cost model believes of each engine it routed to (docs/routing.md): its queue,
+        # fitted speed, cache horizon and pinned blocks; None until this router routed there
+        beliefs = core.engine_estimates()
+        for entry in out.values():
+            belief = beliefs.get(entry["worker"])
+            entry["engine_belief"] = belief.to_dict() if belief is not None else None
         if peer_load is not None:
             # other replicas' in-flight work: "shared", or "degraded" (Redis down: local view only)
             sharing = "degraded" if getattr(peer_load, "degraded", False) else "shared"

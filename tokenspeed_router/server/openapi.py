@@ -91,6 +91,20 @@ class TruthAnswer(msgspec.Struct):
     misaligned: bool
 
 
+class EngineBeliefAnswer(msgspec.Struct, forbid_unknown_fields=True):
+    """What the cost model believes of one engine (``EngineEstimate``, docs/routing.md)."""
+
+    queue_s: float
+    queued_prefills: int
+    prefill_tokens_per_s: float
+    prefill_overhead_s: float
+    fit_samples: int
+    capacity_tokens: int | None
+    predictions: int
+    resident_new_tokens: int
+    residence_s: float
+
+
 class WorkerAnswer(msgspec.Struct, forbid_unknown_fields=True):
     """One stream (a worker, or one DP rank of it) in ``GET /workers``."""
 
@@ -149,6 +163,8 @@ class WorkerAnswer(msgspec.Struct, forbid_unknown_fields=True):
     truth: TruthAnswer
     #: with ``--state``: ``shared`` or ``degraded`` (Redis down: this replica's view only)
     in_flight_sharing: Literal["shared", "degraded"] | None = None
+    #: the cost model's belief about this engine; None until this router routed there
+    engine_belief: EngineBeliefAnswer | None = None
 
 
 class HealthAnswer(msgspec.Struct, forbid_unknown_fields=True):

@@ -90,7 +90,8 @@ def run_live(requests: list[TraceRequest], cluster: ClusterConfig, *, time_scale
     """Run kv_aware through a real ``serve`` subprocess; returns (result, info)."""
     from tokenspeed_router.sim.live import HttpRouterBackend, LiveCluster, RealTimePacer
 
-    with LiveCluster(cluster.worker_names(), router_options=RECOMMENDED_ROUTER_OPTIONS) as live:
+    with LiveCluster(cluster.worker_names(), router_options=RECOMMENDED_ROUTER_OPTIONS,
+                     time_scale=time_scale) as live:
         pacer = RealTimePacer(time_scale)
         sim = Simulator(cluster, pacer=pacer)
         backend = HttpRouterBackend(live)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -42,7 +43,7 @@ from tokenspeed_router.events.schema import Event
 from tokenspeed_router.sim.cluster import RouteChoice
 from tokenspeed_router.sim.traces import TraceRequest
 
-__all__ = ["HttpRouterBackend", "LiveCluster", "RealTimePacer"]
+__all__ = ["HttpRouterBackend", "LiveCluster", "RealTimePacer", "wall_clock_router_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +85,48 @@ def _http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 10.0)
         return json.loads(resp.read() or b"{}")
 
 
+#: RouterConfig fields in seconds (divided by the time scale) and in per-second rates (multiplied)
+_SECONDS_KNOBS = ("prefill_overhead_s", "approx_ttl_s", "predict_on_route_ttl_s",
+                  "prediction_grace_s")
+_RATE_KNOBS = ("prefill_tokens_per_s",)
+
+
+def wall_clock_router_options(options: dict[str, Any] | None, time_scale: float) -> dict[str, Any]:
+    """``options`` for a ``serve`` that lives in wall time while the simulation runs ``time_scale``x.
+
+    The live router's clock is the wall clock: at ``time_scale`` 8 an engine
+    that prefills 20k tokens per simulated second does 160k per wall second,
+    and the HTTP API has no first-token call that would let the router fit
+    it. Every time-valued knob of the cost model (the prefill prior, the
+    prediction and approximate-store lifetimes) is therefore given in wall
+    time (the in-flight timeout, a safety net, stays as it is), each at the value
+    the in-process router has in simulated time (its default unless
+    ``options`` sets it), so live and fast mode hold the same beliefs and
+    differ only in the event path. Without this the live router believed the
+    engines ``time_scale`` times slower than the fast one did (issue 31: the
+    live hit ratio fell 5-7 points below fast mode's at ``prefill_weight``
+    1, where queue estimates decide between waiting and recomputing).
+    """
+    from tokenspeed_router.router.config import RouterConfig
+
+    if not (time_scale > 0 and math.isfinite(time_scale)):
+        raise ConfigError(f"time_scale must be a finite number > 0, got {time_scale}")
+    out = dict(options or {})
+    defaults = RouterConfig()
+    for key in _SECONDS_KNOBS:
+        out[key] = float(out.get(key, getattr(defaults, key))) / time_scale
+    for key in _RATE_KNOBS:
+        out[key] = float(out.get(key, getattr(defaults, key))) * time_scale
+    return out
+
+
 class LiveCluster:
     """Publishers for ``worker_names`` and a ``serve`` subprocess subscribed to them.
 
     Use as a context manager; :meth:`close` stops the server (terminate, then
-    kill after a grace period) and closes the publishers. The server's log goes
+    kill after a grace period) and closes the publishers. ``time_scale``: the
+    simulation runs that many times faster than the wall clock, and the
+    router's time knobs are given in wall time (:func:`wall_clock_router_options`). The server's log goes
     to a file in ``log_dir`` (a temporary directory by default).
     """
 
@@ -98,6 +136,7 @@ class LiveCluster:
         *,
         roles: dict[str, str] | None = None,
         router_options: dict[str, Any] | None = None,
+        time_scale: float = 1.0,
         startup_timeout_s: float = 30.0,
         log_dir: Path | None = None,
         python: str = sys.executable,
@@ -122,6 +161,8 @@ class LiveCluster:
             self.base_url = f"http://127.0.0.1:{self.http_port}"
             cmd = [python, "-m", "tokenspeed_router.cli", "--log-level", "WARNING", "serve",
                    "--http", f"127.0.0.1:{self.http_port}"]
+            if time_scale != 1.0:  # the router's time knobs in wall time (wall_clock_router_options)
+                router_options = wall_clock_router_options(router_options, time_scale)
             for key, value in (router_options or {}).items():
                 cmd += ["--router-option", f"{key}={json.dumps(value)}"]
             for name, pub in self.publishers.items():

@@ -103,6 +103,9 @@ class _Message(msgspec.Struct, array_like=True):
     """This replica's requests since the last message, in order: (kind, request id,
     uncached tokens); kind 0 = routed (the i-th route of ``routes``, in order),
     1 = first token, 2 = ended. A receiver of an older release ignores it."""
+    histories: list[bool] = []
+    """Per route of ``routes``, in order: whether its prompt carried a session's own history
+    (the cost model's share, ``router/cost.py``). Older senders omit it: False."""
 
 
 _ROUTED, _DONE, _ENDED = 0, 1, 2
@@ -283,7 +286,7 @@ class SharedLoad:
         self._view: dict[str, _Peer] = {}  # receiving thread only
         #: (route, flight) to send, in order: a route (workers, hashes) with its flight
         #: (kind 0), or a first token / an end (no route)
-        self._outgoing: deque[tuple[tuple[list[str], list[int]] | None, tuple[int, str, int]]] = deque(
+        self._outgoing: deque[tuple[tuple[list[str], list[int], bool] | None, tuple[int, str, int]]] = deque(
             maxlen=_MAX_PREDICTIONS)
         self._incoming: deque[PeerEvent] = deque(maxlen=_MAX_PREDICTIONS)
         self._dirty = threading.Event()
@@ -323,9 +326,9 @@ class SharedLoad:
             self._dirty.set()
 
     def routed(self, workers: tuple[str, ...], hashes: Sequence[int], request: str = "",
-               uncached: int = 0) -> None:
+               uncached: int = 0, *, history: bool = False) -> None:
         """A route this replica made: its prefix and prefill go out with the next message."""
-        self._outgoing.append(((list(workers), list(hashes)), (_ROUTED, request, int(uncached))))
+        self._outgoing.append(((list(workers), list(hashes), bool(history)), (_ROUTED, request, int(uncached))))
         self.changed()
 
     def prefill_done(self, request: str) -> None:
@@ -390,25 +393,28 @@ class SharedLoad:
     # ------------------------------------------------------------ publishing
 
     def _message(self, kind: int, load: dict[str, tuple[int, int, int]],
-                 routes: list[tuple[list[str], list[int]]], flights: list[tuple[int, str, int]] | None = None) -> bytes:
+                 routes: list[tuple[list[str], list[int]]], flights: list[tuple[int, str, int]] | None = None,
+                 histories: list[bool] | None = None) -> bytes:
         self._seq += 1
         return _encoder.encode(_Message(self._config.replica_id, self._boot, self._seq, kind,
-                                        time.time(), load, routes, flights or []))
+                                        time.time(), load, routes, flights or [], histories or []))
 
     def sync_now(self) -> bool:
         """Publish this replica's totals and new routes now. False when Redis did not answer."""
         load = {w: (max(0, x.active_requests), max(0, x.pending_prefill_tokens), max(0, x.active_tokens))
                 for w, x in self._local_load().items()}
         routes: list[tuple[list[str], list[int]]] = []
+        histories: list[bool] = []
         flights: list[tuple[int, str, int]] = []
         outgoing = self._outgoing
         while outgoing and len(flights) < 1024:
             route, flight = outgoing.popleft()
             if route is not None:
-                routes.append(route)
+                routes.append((route[0], route[1]))
+                histories.append(route[2])
             flights.append(flight)
         try:
-            self._transport.publish(self._message(_UPDATE, load, routes, flights))
+            self._transport.publish(self._message(_UPDATE, load, routes, flights, histories))
         except self._errors as err:
             self._pub_ok = False
             self._failed(err)
@@ -513,6 +519,7 @@ class SharedLoad:
         prefix = f"{msg.replica}/{msg.boot:x}/"
         at = self._clock()  # the router applies each event as of its arrival here
         routes = iter(msg.routes)
+        histories = iter(msg.histories)
         if not msg.flights:  # a peer of an older release: predictions only
             for workers, hashes in routes:
                 self._incoming.append(PeerPrediction(tuple(workers), tuple(hashes), at=at))
@@ -520,9 +527,10 @@ class SharedLoad:
             key = prefix + request
             if kind == _ROUTED:
                 route = next(routes, None)
+                history = bool(next(histories, False))
                 if route is not None:
                     self._incoming.append(
-                        PeerPrediction(tuple(route[0]), tuple(route[1]), key, max(0, uncached), at))
+                        PeerPrediction(tuple(route[0]), tuple(route[1]), key, max(0, uncached), at, history))
             elif kind == _DONE:
                 self._incoming.append(PeerPrefillDone(key, at))
             elif kind == _ENDED:

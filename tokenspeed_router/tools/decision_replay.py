@@ -245,6 +245,10 @@ class Redecider:
         if self._replay_view is not None:
             self._replay_view.show(d.candidates)
         tokens = d.token_ids if d.token_ids else [0] * d.num_tokens
+        # the share of requests carrying a session's own history, as the logged decision saw it
+        # (a log of a release without it: learnt from the re-decisions, as a live router would)
+        share = d.weights.get("followup_share")
+        self.router.pin_followup_share(float(share) if isinstance(share, (int, float)) else None)
         self._serial += 1
         rid = f"redecide-{self._serial}"
         try:
