@@ -51,7 +51,7 @@ index, the routing core ``serve`` runs). The verdict per cell: kv_aware's
 TTFT p99 at most the best rival's, its p50 at most 1.05x the best rival's,
 its hit ratio at least the best rival's minus 1 point, where the rivals are
 ``approx`` and the validated peers; ``with_vllm`` is the same verdict with
-the vllm-router emulation (``vllm_kv_aware``, unvalidated, and the rival
+the vllm-router emulation (``vllm_kv_aware``, validated live at load on 2 shapes on 2026-12-06; the rival
 that wins the tail live: issue 31) among the rivals. Each cell also
 records kv_aware's p50 over the best p50 of every policy run
 (``p50_vs_best_policy``); the summary counts the ``docqa`` cells where it
@@ -117,7 +117,7 @@ POLICIES = ("kv_aware", "approx", "least_loaded", WITNESS, "vllm_kv_aware", "sgl
             "dynamo")
 #: peers whose emulation matched the real router live (docs/compare-routers.md); the others back no claim
 VALIDATED_PEERS = ("sglang_cache_aware",)
-#: the unvalidated emulation the ``with_vllm`` verdict adds to the rivals (issue 31)
+#: the emulation the ``with_vllm`` verdict adds to the rivals (issue 31; validated at load, its tally is the headline)
 VLLM = "vllm_kv_aware"
 KEY_VERSION = "v4-queues-0.35"
 
