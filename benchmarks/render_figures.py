@@ -118,15 +118,19 @@ def _without_vllm_ratio(data: Any) -> str:
     return f"1.00 = as good as the best; {_ratio_range(values)} without the vllm-router emulation"
 
 
+def _docqa_rows(data: Any) -> list[dict[str, Any]]:
+    """Every docqa cell, light ones too (round robin drowns there: its p50 alone is minutes)."""
+    return [v for v in data["verdicts"] if v["shape"] == "docqa" and v.get("p50_vs_best_policy") is not None]
+
+
 def _docqa_p50(data: Any) -> str:
-    rows = [v for v in _queued(data) if v["shape"] == "docqa" and v.get("p50_vs_best_policy") is not None]
+    rows = _docqa_rows(data)
     return f"{sum(v['p50_vs_best_policy'] <= 1.25 + 1e-9 for v in rows)} / {len(rows)}"
 
 
 def _docqa_against(data: Any) -> str:
-    rows = [v["p50_vs_best_policy"] for v in _queued(data)
-            if v["shape"] == "docqa" and v.get("p50_vs_best_policy") is not None]
-    return f"its p50 over the best policy's, median (min-max): {_ratio_range(rows)}"
+    rows = [v["p50_vs_best_policy"] for v in _docqa_rows(data)]
+    return f"its p50 over the best policy's, median (min-max): {_ratio_range(rows)}; all docqa cells, light ones too"
 
 
 _MATRIX_WHAT = ("routing in `simulate`, held-out test set ([routing.md](docs/routing.md#how-the-defaults-were-chosen-"
@@ -306,7 +310,7 @@ FIGURES: list[Figure] = [
            lambda d: _with_vllm(d, "hit_ok"), lambda d: _without_vllm(d, "hit_ok"), "same", _witnessed),
     Figure(f"… its TTFT p99 over the best of {_VLLM_RIVALS}, median (min-max) of the cells",
            "routing-matrix-test.json", _with_vllm_ratio, _without_vllm_ratio, "same", _witnessed),
-    Figure("… `docqa` cells where its TTFT p50 ≤ 1.25x the best of every policy run", "routing-matrix-test.json",
+    Figure("… `docqa` cells where its TTFT p50 ≤ 1.25x the best of every policy run (light or not)", "routing-matrix-test.json",
            _docqa_p50, _docqa_against, "same", _witnessed),
     Figure("live, real time, engines at the prior, medians of 3: cells where our gateway's TTFT p99 <= both "
            "peers'", "compare-routers.json", lambda d: _live_cells(d, "ttft_p99"), _live_against,

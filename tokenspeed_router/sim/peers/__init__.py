@@ -36,9 +36,11 @@ PEER_POLICIES: tuple[str, ...] = tuple(_BACKENDS)
 #: Whether each emulation was checked live against the real peer (benchmarks/peer_parity.py, the
 #: table in docs/compare-routers.md#peer-emulations). Only a ``validated`` one backs a claim.
 PEER_VALIDATION: dict[str, str] = {
-    "vllm_kv_aware": "unvalidated: checked live against vllm-router 0.1.17 (benchmarks/peer_parity.py, "
-                     "2026-12-03): within tolerance on synthetic, agentic and a repeat of conversation, but "
-                     "one conversation run's tail TTFT (p90) was 4.53 s live against 2.52-3.03 s simulated",
+    "vllm_kv_aware": "validated: at load, against vllm-router 0.1.17 live (benchmarks/peer_parity.py --at-load, "
+                     "2026-12-06) on an agentic and a chat trace at 35 % of an 8-engine fleet's capacity, real "
+                     "time: shares, hit, TTFT p50 and p99 within AT_LOAD_PEER_TOLERANCES (the light parity "
+                     "cluster of 2026-12-03 had one conversation run's p90 outside); a rival in every "
+                     "routing-matrix cell",
     "sglang_cache_aware": "validated: against sglang-router 0.3.2 live (benchmarks/peer_parity.py, 2026-12-03) "
                           "on conversation, synthetic and agentic: shares, hit, TTFT p50 and tail within tolerance",
     "dynamo": "unvalidated: Dynamo is not installed here; emulated from its source, never run live",
