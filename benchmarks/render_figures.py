@@ -88,8 +88,7 @@ def _queues_formed(data: Any) -> str:
 
 
 def _queues_against(data: Any) -> str:
-    return (f"the other cells are light: listed in the file, counted nowhere; load {data['ideal_load']:g} "
-            f"(prefill demand with ideal reuse / capacity); {_matrix_shapes(data)}")
+    return f"the rest are light, counted nowhere; load {data['ideal_load']:g}; {_matrix_shapes(data)}"
 
 
 def _with_vllm(data: Any, key: str) -> str:
@@ -199,14 +198,11 @@ def _live_against(data: Any) -> str:
     scenarios = sorted({c["scenario"] for c in cells})
     proven = sum(v["index_proven"] for c in cells for v in c["controls"].values())
     controls = sum(len(c["controls"]) for c in cells)
-    text = (f"vllm-router, sglang-router; {', '.join(traces)} x {', '.join(scenarios)}; "
-            f"peers' controls proven {proven} / {controls}")
+    text = f"{', '.join(traces)} x {', '.join(scenarios)}; peers' controls proven {proven} / {controls}"
     if all("status" in c for c in cells):  # issue 31's protocol: at a load, round robin the witness
         loads = [c["ideal_load"] for c in cells if c.get("ideal_load") is not None]
         light = sum(c["status"] != "counted" for c in cells)
-        engines = sorted({c.get("fleet", "") for c in cells})
-        text += (f"; {'/'.join(engines)} fleet at ideal load {min(loads):.2f}-{max(loads):.2f}; "
-                 f"light cells (no queue: not counted) {light} / {len(cells)}")
+        text += f"; load {min(loads):.2f}-{max(loads):.2f}; light {light} / {len(cells)}"
     return text
 
 
@@ -299,8 +295,8 @@ FIGURES: list[Figure] = [
            lambda d: _verdicts(d, "hit_ok"), _matrix_shapes, "same", _unwitnessed),
     Figure("… its TTFT p99 over the best rival's, median (min-max) of the cells", "routing-matrix-test.json",
            lambda d: _median_ratio(d, "p99_vs_best"), lambda d: "1.00 = as good as the best", "same", _unwitnessed),
-    Figure(f"{_MATRIX_WHAT}: cells where queues formed (round robin's TTFT p99 ≥ 5x its p50 in the same cell); "
-           "only these count below", "routing-matrix-test.json", _queues_formed, _queues_against,
+    Figure(f"{_MATRIX_WHAT}: cells where queues formed (round robin p99 ≥ 5x p50); only these count",
+           "routing-matrix-test.json", _queues_formed, _queues_against,
            "`benchmarks/routing_matrix.py --set test --seeds 1`", _witnessed),
     Figure(f"… cells where `kv_aware`'s TTFT p99 ≤ the best of {_VLLM_RIVALS}", "routing-matrix-test.json",
            lambda d: _with_vllm(d, "p99_ok"), lambda d: _without_vllm(d, "p99_ok"), "same", _witnessed),
@@ -312,8 +308,8 @@ FIGURES: list[Figure] = [
            "routing-matrix-test.json", _with_vllm_ratio, _without_vllm_ratio, "same", _witnessed),
     Figure("… `docqa` cells where its TTFT p50 ≤ 1.25x the best of every policy run (light or not)", "routing-matrix-test.json",
            _docqa_p50, _docqa_against, "same", _witnessed),
-    Figure("live, real time, engines at the prior, medians of 3: cells where our gateway's TTFT p99 <= both "
-           "peers'", "compare-routers.json", lambda d: _live_cells(d, "ttft_p99"), _live_against,
+    Figure("live, real time, medians of 3: cells where our gateway's TTFT p99 <= vllm-router's and "
+           "sglang-router's", "compare-routers.json", lambda d: _live_cells(d, "ttft_p99"), _live_against,
            "`benchmarks/compare_routers.py` ([compare-routers.md](docs/compare-routers.md#results))"),
     Figure("... cells where its TTFT p50 <= both peers'", "compare-routers.json",
            lambda d: _live_cells(d, "ttft_p50"), _live_against, "same"),
