@@ -73,10 +73,11 @@ class RouterConfig:
 
     The cost of a candidate is an estimated time to first token in seconds
     (``router/cost.py``): ``queue_weight`` times the engine's queue clock,
-    plus the wait for cache room (``admission_wait``), plus its per-prefill
-    overhead, plus ``prefill_weight`` times this request's uncached prompt
-    tokens over the engine's prefill rate, that sum multiplied by the
-    sessions in flight there (``inflight_factor``); plus ``decode_weight``
+    plus the wait for cache room (``admission_wait``), plus this request's
+    own prefill there -- its per-prefill overhead and ``prefill_weight``
+    times its uncached prompt tokens over the engine's prefill rate --
+    multiplied by the sessions in flight there (``inflight_factor``; the
+    queue is not multiplied); plus ``decode_weight``
     times the context tokens in flight there and ``request_weight`` times
     its requests in flight over the rate (fitted from first tokens, starting
     from ``prefill_tokens_per_s`` / ``prefill_overhead_s``).
@@ -98,9 +99,9 @@ class RouterConfig:
     queue_weight: float = 1.0
     decode_weight: float = 0.02
     request_weight: float = 0.0
-    #: Sessions in flight push new work away: an engine's prefill-side cost (queue, admission,
-    #: overhead, own prefill) is multiplied by ``1 + inflight_factor * share * requests in
-    #: flight there``, where ``share`` is the learnt fraction of requests that carry a
+    #: Sessions in flight push new work away: this request's own prefill time on an engine
+    #: (overhead and uncached tokens; not the queue) is multiplied by ``1 + inflight_factor *
+    #: share * requests in flight there``, where ``share`` is the learnt fraction of requests that carry a
     #: session's own history (docs/routing.md, "Sessions in flight"). 0 turns it off.
     inflight_factor: float = 1.0
     #: Price the wait for cache room: a prompt whose new blocks do not fit beside the
