@@ -55,7 +55,7 @@ from tokenspeed_router.loadgen.parity import (
     simulate_spread,
 )
 from tokenspeed_router.sim.report import write_results
-from tokenspeed_router.sim.traces import ideal_load, trace_summary
+from tokenspeed_router.sim.traces import TraceRequest, ideal_load, trace_summary
 
 #: issue 26's parity target: simulated p99 within 25 % of live in each cell
 P99_TOLERANCE = 0.25
@@ -69,6 +69,18 @@ def all_traces(python: str = sys.executable) -> list[str]:
     shapes = [line.split(":", 1)[0] for line in done.stdout.splitlines()
               if done.returncode == 0 and line.strip() and not line.startswith(" ")]
     return [*TRACES, *[s for s in shapes if s.isidentifier()]]
+
+
+def both_sides(slice_: list[TraceRequest], setup: ParitySetup, tol: Tolerances, log_dir: Path) -> dict[str, Any]:
+    """One slice through ``simulate`` and through the live fleet, compared under ``tol``.
+
+    A short slice's p99 is its slowest request or two: p90 is compared there
+    instead (Tolerances' rule).
+    """
+    tol_here = tol if len(slice_) >= 200 else replace(tol, tail_quantile=90.0)
+    sim = simulate_side(slice_, setup)
+    live = live_side(slice_, setup, log_dir)
+    return compare(sim, live, setup.worker_names(), tol_here, spread=simulate_spread(slice_, setup))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         for profile in profiles:
             setup = ParitySetup(timing=profile, time_scale=args.time_scale)  # type: ignore[arg-type]
             slice_ = prepare(requests, setup)
-            # a short slice's p99 is its slowest request or two: compare p90 there (Tolerances' rule)
-            tol_here = tol if len(slice_) >= 200 else replace(tol, tail_quantile=90.0)
-            sim = simulate_side(slice_, setup)
-            live = live_side(slice_, setup, log_root / trace / profile)
-            result = compare(sim, live, setup.worker_names(), tol_here, spread=simulate_spread(slice_, setup))
+            result = both_sides(slice_, setup, tol, log_root / trace / profile)
             result["source"] = source
             all_ok &= bool(result["ok"])
             print(f"\n{trace} / {profile}: {len(slice_)} requests, "
@@ -149,11 +157,7 @@ def run_at_load(args: argparse.Namespace) -> int:
         for profile in profiles:
             setup = replace(at.setup, timing=profile)  # type: ignore[arg-type]
             slice_ = prepare(requests, setup)
-            sim = simulate_side(slice_, setup)
-            live = live_side(slice_, setup, log_root / trace / profile)
-            # a short slice's p99 is its slowest request or two: compare p90 there (Tolerances' rule)
-            tol_here = tol if len(slice_) >= 200 else replace(tol, tail_quantile=90.0)
-            result = compare(sim, live, setup.worker_names(), tol_here, spread=simulate_spread(slice_, setup))
+            result = both_sides(slice_, setup, tol, log_root / trace / profile)
             result["source"] = source
             result["ideal_load"] = ideal_load(slice_, at.capacity_tokens_per_s)
             all_ok &= bool(result["ok"])
